@@ -1,0 +1,135 @@
+"""Compare the library with the float64 reference on a battery of configurations.
+
+Errors are *relative to the reference's largest magnitude*:
+``max|x - ref| / max|ref|`` for the output and each gradient, and the absolute
+error for the LSE on its finite entries (an LSE of ``-inf`` where the reference has
+a finite one, or the reverse, is an infinite error).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .functional import dilated_attention
+from .reference import reference_dilated_attention
+
+# Relative tolerances per dtype; low precision is limited by its rounding of inputs
+# held in the kernels, not by the algorithm.
+TOLERANCES = {
+    torch.float64: 1e-10,
+    torch.float32: 2e-5,
+    torch.float16: 5e-3,
+    torch.bfloat16: 3e-2,
+}
+
+
+def max_relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max|x - ref| / max|ref|`` in float64 (``max|x - ref|`` if ``ref`` is all 0)."""
+    x, ref = x.detach().to(torch.float64), ref.detach().to(torch.float64)
+    err = (x - ref).abs().max().item()
+    top = ref.abs().max().item()
+    return err / top if top > 0 else err
+
+
+def lse_error(lse: torch.Tensor, ref: torch.Tensor) -> float:
+    """Absolute error on finite entries; ``inf`` if the ``-inf`` entries differ."""
+    lse, ref = lse.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
+    if not torch.equal(torch.isneginf(lse), torch.isneginf(ref)):
+        return math.inf
+    finite = torch.isfinite(ref)
+    return (lse[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    seq_len: int
+    heads: int
+    head_dim: int
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    mode: str = "mixture"
+    is_causal: bool = False
+    masked: bool = False
+
+
+def default_cases() -> list[Case]:
+    """Both modes, causal or not, masked or not, on aligned, odd and tiny shapes."""
+    shapes = [
+        ("aligned", 2, 64, 4, 16, (16, 32), (1, 2)),
+        ("odd", 2, 61, 5, 8, (8, 24, 100), (1, 3, 5)),  # w > N, w % r != 0, short tail
+        ("tiny", 1, 3, 3, 8, (4, 2), (2, 1)),
+    ]
+    cases = []
+    for name, b, n, h, d, w, r in shapes:
+        for mode in ("mixture", "head_groups"):
+            for causal in (False, True):
+                for masked in (False, True):
+                    cases.append(Case(name, b, n, h, d, w, r, mode, causal, masked))
+    return cases
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    out_error: float
+    lse_error: float
+    grad_error: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return max(self.out_error, self.lse_error, self.grad_error) <= self.tolerance
+
+
+def run_case(case: Case, device, dtype, generator: Optional[torch.Generator] = None) -> CaseResult:
+    """Draw random inputs, run library and reference, compare output, LSE and
+    the gradients of ``q, k, v`` for a random output gradient."""
+    shape = (case.batch, case.seq_len, case.heads, case.head_dim)
+
+    def draw(*size):
+        return torch.randn(*size, generator=generator, dtype=torch.float64).to(device)
+
+    q, k, v = (draw(*shape).to(dtype).requires_grad_() for _ in range(3))
+    grad = draw(*shape).to(dtype)
+    mask = None
+    if case.masked:
+        mask = (torch.rand(case.batch, case.seq_len, generator=generator) < 0.3).to(device)
+    kwargs = dict(mode=case.mode, is_causal=case.is_causal, key_padding_mask=mask)
+    out, lse = dilated_attention(
+        q, k, v, case.segment_lengths, case.dilation_rates, return_lse=True, **kwargs
+    )
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref_inputs = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_dilated_attention(
+        *ref_inputs, case.segment_lengths, case.dilation_rates, **kwargs
+    )
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad.to(torch.float64))
+    return CaseResult(
+        case,
+        out_error=max_relative_error(out, ref_out),
+        lse_error=lse_error(lse, ref_lse),
+        grad_error=max(max_relative_error(g, r) for g, r in zip(grads, ref_grads)),
+        tolerance=TOLERANCES[dtype],
+    )
+
+
+def format_table(results: list[CaseResult]) -> str:
+    header = (
+        f"{'case':8} {'mode':11} {'causal':6} {'mask':5} {'B':>2} {'N':>4} {'H':>2} "
+        f"{'out err':>9} {'lse err':>9} {'grad err':>9} {'tol':>8}  ok"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        c = r.case
+        lines.append(
+            f"{c.name:8} {c.mode:11} {str(c.is_causal):6} {str(c.masked):5} {c.batch:>2} "
+            f"{c.seq_len:>4} {c.heads:>2} {r.out_error:9.2e} {r.lse_error:9.2e} "
+            f"{r.grad_error:9.2e} {r.tolerance:8.0e}  {'yes' if r.ok else 'NO'}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""Command line: ``dilated-attention check | pattern`` (also ``python -m dilated_attention``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from . import validation
+from .plan import MODES
+
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def _cmd_check(args) -> int:
+    from .check import default_cases, format_table, run_case
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    generator = torch.Generator().manual_seed(args.seed)
+    failed = 0
+    for name in args.dtype:
+        results = [run_case(c, torch.device(args.device), DTYPES[name], generator) for c in default_cases()]
+        failed += sum(not r.ok for r in results)
+        print(f"\n{name} on {args.device}: library vs float64 reference (seed {args.seed})")
+        print(format_table(results))
+    print(f"\n{'FAILED' if failed else 'all passed'}: {failed} failing case(s)")
+    return 1 if failed else 0
+
+
+def _cmd_pattern(args) -> int:
+    from .pattern import draw_pattern
+
+    segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)
+    if args.length < 1 or args.heads < 1:
+        print("error: --length and --heads must be >= 1", file=sys.stderr)
+        return 2
+    if args.mode == "head_groups":
+        validation.check_head_groups(args.heads, len(segs))
+    lines = draw_pattern(
+        args.out, args.length, args.heads, segs, rates, mode=args.mode, is_causal=args.causal
+    )
+    print("\n".join(lines))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dilated-attention", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="compare the library with the float64 reference")
+    check.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    check.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float64", "float32"])
+    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    check.set_defaults(run=_cmd_check)
+
+    pattern = sub.add_parser("pattern", help="draw the attention pattern of each head as a PNG")
+    pattern.add_argument("--segment-lengths", type=int, nargs="+", required=True)
+    pattern.add_argument("--dilation-rates", type=int, nargs="+", required=True)
+    pattern.add_argument("--length", type=int, required=True, help="sequence length N")
+    pattern.add_argument("--heads", type=int, required=True)
+    pattern.add_argument("--mode", choices=MODES, default="mixture")
+    pattern.add_argument("--causal", action="store_true")
+    pattern.add_argument("--out", default="pattern.png", help="PNG file to write")
+    pattern.set_defaults(run=_cmd_pattern)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,160 @@
+"""The engine: run every planned block through a fused kernel and merge the results.
+
+Forward, block by block: gather the block's rows of ``q, k, v`` as strided views,
+fold its segments into the kernel's batch dimension, call the kernel, and merge
+its ``(out, lse)`` into the running output and LSE in place with the stable
+log-sum-exp update. Nothing full-size is kept per branch.
+
+Backward: the merged output is one softmax over the union of the keys each query
+sees, so each block's kernel backward, given the *merged* output and LSE, yields
+the exact gradient of the whole function; the block gradients are added into
+``dq, dk, dv`` in place. Only the inputs, the mask, the output and the LSE are
+saved.
+
+``head_groups`` uses the same path: its blocks never overlap, so merging is a copy,
+and the final ``1 / G`` is applied to the output (and to the incoming gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .plan import Block
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything about one call except the tensors.
+
+    ``blocks``: the plan; ``overlapping``: whether blocks of different branches write
+    the same (position, head) cells (``mixture``), so results must be merged rather
+    than copied; ``out_scale``: factor applied to the merged output (``1 / G`` in
+    ``head_groups``); ``kernel``: one of the classes of :mod:`dilated_attention.kernels`.
+    """
+
+    blocks: tuple[Block, ...]
+    overlapping: bool
+    is_causal: bool
+    scale: float
+    dropout_p: float
+    out_scale: float
+    kernel: type
+
+
+def _to_kernel(x: torch.Tensor) -> torch.Tensor:
+    """``(B, nseg, rows, h, ...)`` -> ``(B * nseg, h, rows, ...)``."""
+    return x.flatten(0, 1).transpose(1, 2)
+
+
+def _from_kernel(y: torch.Tensor, batch: int) -> torch.Tensor:
+    """``(B * nseg, h, rows, ...)`` -> ``(B, nseg, rows, h, ...)``."""
+    return y.transpose(1, 2).unflatten(0, (batch, -1))
+
+
+def _block_mask(block: Block, padding: Optional[torch.Tensor], dtype, is_causal: bool):
+    """Additive key bias ``(B * nseg, 1, 1, rows)`` and the rows left with no key
+    ``(B * nseg, 1, rows)`` (bool), or ``(None, None)`` without a padding mask."""
+    if padding is None:
+        return None, None
+    pad = block.select(padding).flatten(0, 1)
+    bias = torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill_(pad, -math.inf)
+    valid = ~pad
+    if is_causal:
+        empty = valid.cumsum(-1) == 0
+    else:
+        empty = ~valid.any(-1, keepdim=True).expand_as(valid)
+    return bias[:, None, None, :], empty[:, None, :]
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
+    """In place: ``lse <- logaddexp(lse, l)``, ``out <- out * e^(lse_old - lse) + o * e^(l - lse)``.
+
+    ``out`` ``(..., D)`` and ``lse`` ``(...)`` are views into the running buffers."""
+    new = torch.logaddexp(lse, l)
+    base = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    out.mul_((lse - base).exp_().unsqueeze(-1)).add_(o * (l - base).exp_().unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def engine_forward(q, k, v, padding, cfg: EngineConfig, seed: int):
+    """Output ``(B, N, H, D)`` in ``q.dtype`` and LSE ``(B, N, H)``; see module docstring."""
+    batch, seq_len, heads, dim = q.shape
+    acc = _accumulation_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full((batch, seq_len, heads), -math.inf, dtype=_lse_dtype(q.dtype), device=q.device)
+    for index, block in enumerate(cfg.blocks):
+        qb, kb, vb = (_to_kernel(block.select(t)) for t in (q, k, v))
+        bias, empty = _block_mask(block, padding, q.dtype, cfg.is_causal)
+        o, l = cfg.kernel.forward(qb, kb, vb, bias, cfg.is_causal, cfg.scale, cfg.dropout_p, seed + index)
+        if empty is not None:
+            l = l.masked_fill(empty, -math.inf)
+            o = o.masked_fill(empty.unsqueeze(-1), 0.0)
+        o, l = _from_kernel(o, batch), _from_kernel(l, batch)
+        out_view, lse_view = block.select(out), block.select(lse)
+        if cfg.overlapping and block.branch > 0:
+            _merge_into(out_view, lse_view, o, l)
+        else:  # the first write to these cells
+            out_view.copy_(o)
+            lse_view.copy_(l)
+    if cfg.out_scale != 1.0:
+        out.mul_(cfg.out_scale)
+    return out.to(q.dtype), lse
+
+
+def engine_backward(grad_out, q, k, v, padding, out, lse, cfg: EngineConfig, seed: int):
+    """``dq, dk, dv`` of ``(out * 1)`` given ``grad_out``; ``out``/``lse`` as returned by
+    :func:`engine_forward`."""
+    batch = q.shape[0]
+    acc = _accumulation_dtype(q.dtype)
+    grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
+    # A row with no key at all has lse = -inf; +inf makes all its probabilities 0.
+    lse = lse.masked_fill(torch.isneginf(lse), math.inf)
+    for index, block in enumerate(cfg.blocks):
+        qb, kb, vb, ob, gb = (_to_kernel(block.select(t)) for t in (q, k, v, out, grad_out))
+        if cfg.out_scale != 1.0:  # the kernel differentiates the unscaled merged output
+            ob = ob / cfg.out_scale
+            gb = gb * cfg.out_scale
+        lb = _to_kernel(block.select(lse))
+        bias, _ = _block_mask(block, padding, q.dtype, cfg.is_causal)
+        block_grads = cfg.kernel.backward(
+            gb, qb, kb, vb, ob, lb, bias, cfg.is_causal, cfg.scale, cfg.dropout_p, seed + index
+        )
+        for grad, block_grad in zip(grads, block_grads):
+            block.select(grad).add_(_from_kernel(block_grad, batch))
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+
+class DilatedAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper of the engine: inputs ``q, k, v`` ``(B, N, H, D)`` and an
+    optional bool ``padding`` ``(B, N)``; outputs ``out`` and a non-differentiable ``lse``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, padding, cfg: EngineConfig):
+        seed = 0
+        if cfg.dropout_p > 0:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        out, lse = engine_forward(q, k, v, padding, cfg, seed)
+        ctx.save_for_backward(q, k, v, padding, out, lse)
+        ctx.cfg, ctx.seed = cfg, seed
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, padding, out, lse = ctx.saved_tensors
+        dq, dk, dv = engine_backward(grad_out, q, k, v, padding, out, lse, ctx.cfg, ctx.seed)
+        return dq, dk, dv, None, None

@@ -1,0 +1,144 @@
+"""Dense reference implementation of ``SPEC.md``: slow, float64, obviously right.
+
+It builds each branch's full ``(N, N)`` boolean pattern per head, runs a plain
+masked softmax, and mixes the branches with the formulas of ``SPEC.md``. Use it to
+check the fast implementation, or your own setup, on small inputs: memory is
+``O(B * H * N^2)``. It is differentiable with autograd (no dropout).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from .plan import head_group_bounds
+
+
+def branch_pattern(
+    seq_len: int, w: int, r: int, offsets: torch.Tensor, is_causal: bool = False
+) -> torch.Tensor:
+    """Bool ``(H, N, N)``: ``[h, p, key]`` is True when query ``p`` of head ``h`` (with
+    dilation offset ``offsets[h]``) may attend to ``key`` in branch ``(w, r)``.
+
+    A position is *selected* when its relative position ``t = p - s*w`` in its
+    segment ``s = p // w`` has ``t % r == offset``; selected queries see the
+    selected keys of their own segment (and, if causal, only keys ``<= p``).
+    """
+    pos = torch.arange(seq_len)
+    segment, relative = pos // w, pos % w
+    selected = (relative[None, :] % r) == offsets[:, None]  # (H, N)
+    same_segment = segment[:, None] == segment[None, :]  # (N, N)
+    pattern = selected[:, :, None] & selected[:, None, :] & same_segment
+    if is_causal:
+        pattern = pattern & (pos[None, :] <= pos[:, None])
+    return pattern
+
+
+def branch_offsets(num_heads: int, segment_lengths, dilation_rates, mode: str) -> list[torch.Tensor]:
+    """Per branch, the offset of each head, or ``-1`` where the branch does not run on it."""
+    result = []
+    if mode == "mixture":
+        for r in dilation_rates:
+            result.append(torch.arange(num_heads) % r)
+    else:
+        for i, ((start, stop), r) in enumerate(
+            zip(head_group_bounds(num_heads, len(segment_lengths)), dilation_rates)
+        ):
+            offsets = torch.full((num_heads,), -1)
+            offsets[start:stop] = i % r
+            result.append(offsets)
+    return result
+
+
+def _masked_softmax_attention(q, k, v, allowed, scale):
+    """``O`` ``(B, H, N, D)`` and ``LSE`` ``(B, H, N)`` over the keys in ``allowed``
+    ``(B, H, N, N)``; rows with no allowed key give ``O = 0``, ``LSE = -inf``."""
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    scores = scores.masked_fill(~allowed, -math.inf)
+    row_max = scores.amax(-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    denom = weights.sum(-1, keepdim=True)
+    has_key = denom > 0
+    safe_denom = torch.where(has_key, denom, torch.ones_like(denom))
+    out = torch.einsum("bhqk,bhkd->bhqd", weights / safe_denom, v)
+    lse = torch.where(has_key, torch.log(safe_denom) + row_max, torch.full_like(denom, -math.inf))
+    return out, lse.squeeze(-1)
+
+
+def _mix(outs, lses):
+    """SPEC's mixture: ``LSE = logsumexp_i LSE_i``, ``O = sum_i exp(LSE_i - LSE) O_i``."""
+    lses = torch.stack(lses)  # (G, B, H, N)
+    top = lses.amax(0).detach()
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(lses - top)
+    denom = weights.sum(0)
+    has_any = denom > 0
+    safe = torch.where(has_any, denom, torch.ones_like(denom))
+    out = sum(w.unsqueeze(-1) * o for w, o in zip(weights / safe, outs))
+    lse = torch.where(has_any, torch.log(safe) + top, torch.full_like(denom, -math.inf))
+    return out, lse
+
+
+def reference_dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    mode: str = "mixture",
+    is_causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    key_padding_mask: Optional[torch.Tensor] = None,
+):
+    """Dense float64 dilated attention. Same arguments as
+    :func:`dilated_attention.dilated_attention` (no dropout).
+
+    Returns ``(out, lse)``: ``out`` ``(B, N, H, D)`` float64 and ``lse`` ``(B, N, H)``
+    float64, computed in float64 whatever the input dtype.
+    """
+    q, k, v = (t.to(torch.float64).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+    batch, num_heads, seq_len, head_dim = q.shape
+    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    key_ok = torch.ones(batch, seq_len, dtype=torch.bool, device=q.device)
+    if key_padding_mask is not None:
+        key_ok = ~key_padding_mask.to(q.device)
+    outs, lses = [], []
+    offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode)
+    for w, r, offs in zip(segment_lengths, dilation_rates, offsets):
+        pattern = branch_pattern(seq_len, w, r, offs, is_causal).to(q.device)  # (H, N, N)
+        allowed = pattern[None] & key_ok[:, None, None, :]
+        out, lse = _masked_softmax_attention(q, k, v, allowed, scale)
+        outs.append(out)
+        lses.append(lse)
+    if mode == "mixture":
+        out, lse = _mix(outs, lses)
+    else:  # head groups never overlap: each head has one branch's result
+        out = sum(outs) / len(segment_lengths)
+        lse = torch.stack(lses).amax(0)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def attention_weights_uniform(
+    seq_len: int,
+    num_heads: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    mode: str = "mixture",
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """``(H, N, N)`` float64: the attention weight each key gets when every score is
+    equal. In ``mixture`` a key seen by two branches counts twice, so a row shows
+    how the branches share the softmax; in ``head_groups`` each row is its group's
+    branch alone (scaled by ``1 / G``). Rows that attend to nothing are 0.
+    """
+    zeros = torch.zeros(1, seq_len, num_heads, 1, dtype=torch.float64)
+    values = torch.eye(seq_len, dtype=torch.float64)[None, :, None, :].expand(1, seq_len, num_heads, seq_len)
+    out, _ = reference_dilated_attention(
+        zeros, zeros, values, segment_lengths, dilation_rates, mode=mode, is_causal=is_causal
+    )
+    return out[0].transpose(0, 1)  # (H, N, N): row p = weights of query p over keys
