@@ -1,0 +1,13 @@
+import os
+
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "default",
+    max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "60")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("default")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

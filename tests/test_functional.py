@@ -1,0 +1,162 @@
+"""The fast path against the float64 reference: forward, LSE and gradients."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import configs, random_inputs, split_config
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dilated_attention.functional as functional
+from dilated_attention import dilated_attention, reference_dilated_attention
+from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
+from dilated_attention.kernels import MathKernel
+
+
+def compare_with_reference(cfg, dtype=torch.float64, tolerance=1e-10):
+    inputs, attn = split_config(cfg)
+    (q, k, v), grad, mask = random_inputs(dtype=dtype, **inputs)
+    out, lse = dilated_attention(q, k, v, key_padding_mask=mask, return_lse=True, **attn)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_dilated_attention(*ref_in, key_padding_mask=mask, **attn)
+    ref_grads = torch.autograd.grad(ref_out, ref_in, grad.double())
+
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert lse.shape == q.shape[:3]
+    assert max_relative_error(out, ref_out) <= tolerance
+    assert lse_error(lse, ref_lse) <= tolerance
+    assert all(g.dtype == dtype for g in grads)
+    assert max_relative_error(grads, ref_grads) <= tolerance
+
+
+@given(configs())
+def test_float64_matches_reference(cfg):
+    compare_with_reference(cfg)
+
+
+@given(configs(max_len=40, max_heads=4), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_low_precision_within_tolerance(cfg, dtype):
+    compare_with_reference(cfg, dtype=dtype, tolerance=TOLERANCES[dtype])
+
+
+@given(configs(max_len=32, max_heads=4))
+def test_math_kernel_matches_reference(cfg):
+    """The unfused kernel (used for dropout and float64 on CUDA) on the whole pipeline."""
+    original = functional.select_kernel
+    functional.select_kernel = lambda *args: MathKernel
+    try:
+        compare_with_reference(cfg)
+    finally:
+        functional.select_kernel = original
+
+
+@pytest.mark.parametrize("mode", ["mixture", "head_groups"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gradcheck_finite_differences(mode, is_causal):
+    """Gradients against finite differences, independently of the reference."""
+    (q, k, v), _, mask = random_inputs(11, 1, 13, 3, 2, masked=True)
+    fn = lambda q, k, v: dilated_attention(  # noqa: E731
+        q, k, v, [4, 6, 20], [1, 2, 3], mode=mode, is_causal=is_causal, key_padding_mask=mask
+    )
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_mixture_is_one_softmax_over_the_union_of_keys():
+    """SPEC: the mixture equals one softmax over all keys seen, a key seen by two
+    branches counted twice. Built here from the branch patterns alone."""
+    from dilated_attention.reference import branch_offsets, branch_pattern
+
+    segs, rates = [6, 8, 30], [1, 2, 4]
+    (q, k, v), _, _ = random_inputs(3, 2, 23, 4, 5)
+    count = sum(
+        branch_pattern(23, w, r, offs, is_causal=True).double()
+        for w, r, offs in zip(segs, rates, branch_offsets(4, segs, rates, "mixture"))
+    )
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(5) + count.log()
+    expected = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    out = dilated_attention(q, k, v, segs, rates, is_causal=True)
+    assert max_relative_error(out, expected) <= 1e-12
+
+
+def lineage_dilated_attention(q, k, v, segment_lengths, dilation_rates, is_causal=False):
+    """The ``DilatedAttention`` of the dilated-attention-pytorch lineage, rewritten
+    plainly: per branch, split the sequence into segments (N divisible by every w),
+    take rows ``offset::r`` with offset ``i % r`` for head group ``i`` (sizes H // G,
+    the first H % G one larger, as its forks do), attend, add into the output, and
+    divide by the number of branches."""
+    b, n, h, d = q.shape
+    groups = len(segment_lengths)
+    sizes = [h // groups + (1 if i < h % groups else 0) for i in range(groups)]
+    out = torch.zeros_like(q)
+    hmin = 0
+    for i, (s, r) in enumerate(zip(segment_lengths, dilation_rates)):
+        hmax, offset = hmin + sizes[i], i % r
+        sel = [t.reshape(b, n // s, s, h, d)[:, :, offset::r, hmin:hmax] for t in (q, k, v)]
+        folded = [t.reshape(-1, *t.shape[2:]).transpose(1, 2) for t in sel]
+        x = F.scaled_dot_product_attention(*folded, is_causal=is_causal)
+        x = x.transpose(1, 2).reshape(b, n // s, -1, hmax - hmin, d)
+        out.view(b, n // s, s, h, d)[:, :, offset::r, hmin:hmax] += x
+        hmin = hmax
+    return out / groups
+
+
+@pytest.mark.parametrize("heads", [6, 7])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_head_groups_reproduces_the_lineage(heads, is_causal, dtype, tol):
+    (q, k, v), _, _ = random_inputs(5, 2, 48, heads, 8, dtype=dtype)
+    segs, rates = [8, 16, 48], [1, 2, 4]
+    out = dilated_attention(q, k, v, segs, rates, mode="head_groups", is_causal=is_causal)
+    expected = lineage_dilated_attention(q, k, v, segs, rates, is_causal)
+    assert max_relative_error(out, expected) <= tol
+
+
+def test_non_contiguous_inputs():
+    gen = torch.Generator().manual_seed(2)
+    base = [torch.randn(2, 5, 40, 6, generator=gen, dtype=torch.float64) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2)[:, ::2, :, :] for t in base)  # (2, 20, 5, 6), strided
+    assert not q.is_contiguous()
+    for mode in ("mixture", "head_groups"):
+        out = dilated_attention(q, k, v, [6, 9], [2, 3], mode=mode, is_causal=True)
+        ref, _ = reference_dilated_attention(q, k, v, [6, 9], [2, 3], mode=mode, is_causal=True)
+        assert max_relative_error(out, ref) <= 1e-12
+
+
+def test_unselected_rows_and_fully_padded_rows_output_zero():
+    (q, k, v), _, _ = random_inputs(9, 1, 12, 4, 3)
+    out, lse = dilated_attention(q, k, v, [12], [2], mode="head_groups", return_lse=True)
+    # one group, offset 0: odd positions are never selected
+    assert torch.all(out[:, 1::2] == 0) and torch.all(torch.isneginf(lse[:, 1::2]))
+    assert torch.all(torch.isfinite(lse[:, 0::2]))
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    out, lse = dilated_attention(q, k, v, [4, 6], [1, 2], key_padding_mask=mask, return_lse=True)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all(torch.all(g == 0) for g in grads)
+
+
+def test_lse_is_not_differentiable():
+    (q, k, v), _, _ = random_inputs(1, 1, 8, 2, 4)
+    out, lse = dilated_attention(q, k, v, [4], [1], return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+
+
+def test_double_backward_is_refused():
+    (q, k, v), _, _ = random_inputs(1, 1, 8, 2, 4)
+    out = dilated_attention(q, k, v, [4], [1])
+    (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(g.sum(), k)
+
+
+def test_nan_in_nan_out():
+    (q, k, v), _, _ = random_inputs(4, 1, 8, 2, 4)
+    q = q.detach().clone()
+    q[0, 3, 0, 0] = float("nan")
+    out = dilated_attention(q, k, v, [8], [1])
+    assert torch.isnan(out[0, 3, 0]).all()
+    assert torch.isfinite(out[0, :, 1]).all()

@@ -1,0 +1,85 @@
+"""The nn.Module wrappers."""
+
+import io
+
+import pytest
+import torch
+from helpers import random_inputs
+
+from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention, reference_dilated_attention
+from dilated_attention.check import max_relative_error
+
+SEGS, RATES = [4, 8, 32], [1, 2, 4]
+
+
+def test_dilated_attention_module_matches_function():
+    (q, k, v), _, mask = random_inputs(0, 2, 30, 5, 4, masked=True)
+    module = DilatedAttention(SEGS, RATES, mode="head_groups", softmax_scale=0.3)
+    out = module(q, k, v, is_causal=True, key_padding_mask=mask)
+    expected = dilated_attention(
+        q, k, v, SEGS, RATES, mode="head_groups", softmax_scale=0.3, is_causal=True, key_padding_mask=mask
+    )
+    assert torch.equal(out, expected)
+    assert "segment_lengths=[4, 8, 32]" in repr(module)
+
+
+def reference_mha(mha, query, key, value, **kwargs):
+    """The module's computation with the dense reference in place of the library."""
+    heads = (mha.num_heads, mha.embed_dim // mha.num_heads)
+    q, k, v = (proj(x).unflatten(-1, heads) for proj, x in ((mha.q_proj, query), (mha.k_proj, key), (mha.v_proj, value)))
+    att = mha.attention
+    x, _ = reference_dilated_attention(q, k, v, att.segment_lengths, att.dilation_rates, mode=att.mode, **kwargs)
+    x = x.flatten(-2)
+    if mha.norm is not None:
+        x = mha.norm(x)
+    return mha.out_proj(x)
+
+
+@pytest.mark.parametrize("mode", ["mixture", "head_groups"])
+@pytest.mark.parametrize("sub_layernorm", [True, False])
+def test_multihead_matches_reference_with_parameter_gradients(mode, sub_layernorm):
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(24, 3, SEGS, RATES, mode=mode, sub_layernorm=sub_layernorm, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    query, key, value = (torch.randn(2, 19, 24, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(2, 19, generator=gen) < 0.3
+    out, weights = mha(query, key, value, key_padding_mask=mask, is_causal=True)
+    assert weights is None and out.shape == (2, 19, 24)
+    grads = torch.autograd.grad(out.square().sum(), list(mha.parameters()))
+    expected = reference_mha(mha, query, key, value, key_padding_mask=mask, is_causal=True)
+    ref_grads = torch.autograd.grad(expected.square().sum(), list(mha.parameters()))
+    assert max_relative_error(out, expected) <= 1e-10
+    assert max_relative_error(grads, ref_grads) <= 1e-10
+
+
+def test_key_and_value_default_to_query():
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(16, 4, SEGS, RATES)
+    x = torch.randn(2, 10, 16)
+    assert torch.equal(mha(x)[0], mha(x, x, x)[0])
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(0)
+    source = MultiheadDilatedAttention(32, 4, SEGS, RATES, gamma_init=0.5)
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    torch.manual_seed(1)
+    target = MultiheadDilatedAttention(32, 4, SEGS, RATES)
+    x = torch.randn(2, 12, 32)
+    assert not torch.allclose(source(x)[0], target(x)[0])
+    target.load_state_dict(torch.load(buffer))
+    assert torch.equal(source(x)[0], target(x)[0])
+    assert set(source.state_dict()) == {
+        f"{name}.{p}" for name in ("q_proj", "k_proj", "v_proj", "out_proj", "norm") for p in ("weight", "bias")
+    }
+
+
+def test_magneto_initialisation():
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(512, 8, SEGS, RATES, gamma_init=2.0)
+    xavier_std = (2.0 / (512 + 512)) ** 0.5
+    for proj, gain in ((mha.q_proj, 1.0), (mha.k_proj, 1.0), (mha.v_proj, 2.0), (mha.out_proj, 2.0)):
+        assert abs(proj.weight.std().item() / (gain * xavier_std) - 1) < 0.02
+        assert torch.all(proj.bias == 0)

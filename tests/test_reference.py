@@ -1,0 +1,85 @@
+"""The reference itself, against a scalar loop written straight from SPEC.md."""
+
+import math
+
+import pytest
+import torch
+from helpers import configs, random_inputs, split_config
+from hypothesis import given
+
+from dilated_attention.reference import attention_weights_uniform, reference_dilated_attention
+
+
+def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, is_causal, mask):
+    """SPEC.md, one (batch, position, head) at a time, in Python floats."""
+    batch, n, heads, dim = q.shape
+    scale = dim**-0.5
+    groups = len(segment_lengths)
+    sizes = [heads // groups + (1 if i < heads % groups else 0) for i in range(groups)]
+    group_of = [i for i, size in enumerate(sizes) for _ in range(size)]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            for p in range(n):
+                results = []
+                for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+                    if mode == "head_groups" and group_of[h] != i:
+                        continue
+                    offset = h % r if mode == "mixture" else i % r
+                    s = p // w
+                    if (p - s * w) % r != offset:
+                        continue
+                    keys = [
+                        key for key in range(s * w, min((s + 1) * w, n))
+                        if (key - s * w) % r == offset
+                        and not (is_causal and key > p)
+                        and not (mask is not None and mask[b, key])
+                    ]
+                    if not keys:
+                        continue
+                    logits = [float(q[b, p, h] @ k[b, key, h]) * scale for key in keys]
+                    top = max(logits)
+                    weights = [math.exp(x - top) for x in logits]
+                    total = sum(weights)
+                    o = sum(wt * v[b, key, h].double() for wt, key in zip(weights, keys)) / total
+                    results.append((o, math.log(total) + top))
+                if not results:
+                    continue
+                if mode == "mixture":
+                    big = math.log(sum(math.exp(l) for _, l in results))
+                    out[b, p, h] = sum(math.exp(l - big) * o for o, l in results)
+                    lse[b, p, h] = big
+                else:
+                    (o, l), = results
+                    out[b, p, h] = o / groups
+                    lse[b, p, h] = l
+    return out, lse
+
+
+@given(configs(max_len=20, max_heads=4))
+def test_reference_matches_the_spec_loop(cfg):
+    inputs, attn = split_config(cfg)
+    (q, k, v), _, mask = random_inputs(**inputs)
+    out, lse = reference_dilated_attention(q, k, v, key_padding_mask=mask, **attn)
+    loop_out, loop_lse = spec_loop(q.detach(), k.detach(), v.detach(), mask=mask, **attn)
+    assert torch.allclose(out, loop_out, rtol=0, atol=1e-12)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(loop_lse))
+    finite = torch.isfinite(loop_lse)
+    assert torch.allclose(lse[finite], loop_lse[finite], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["mixture", "head_groups"])
+def test_uniform_weights_rows_sum_to_the_mode_total(mode):
+    w = attention_weights_uniform(24, 3, [6, 12], [1, 3], mode=mode, is_causal=True)
+    assert w.shape == (3, 24, 24)
+    rows = w.sum(-1)
+    expected = 1.0 if mode == "mixture" else 0.5  # head_groups divides by G = 2
+    attended = rows > 0
+    assert torch.allclose(rows[attended], torch.full_like(rows[attended], expected))
+    assert torch.all(torch.triu(w, diagonal=1) == 0)  # causal: no key after its query
+    # mixture, head 0 (offsets 0, 0): query 0 sees key 0 in both branches
+    if mode == "mixture":
+        assert w[0, 0, 0] == 1.0
+        # query 3, head 1: branch (6,1) sees keys 0..3 ; branch (12,3) offset 1 does not select 3
+        assert torch.allclose(w[1, 3, :4], torch.full((4,), 0.25, dtype=torch.float64))
