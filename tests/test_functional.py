@@ -1,5 +1,6 @@
 """The fast path against the float64 reference: forward, LSE and gradients."""
 
+import contextlib
 import math
 
 import pytest
@@ -43,15 +44,22 @@ def test_low_precision_within_tolerance(cfg, dtype):
     compare_with_reference(cfg, dtype=dtype, tolerance=TOLERANCES[dtype])
 
 
+@contextlib.contextmanager
+def forced_kernel(kernel):
+    """Make the functional API use ``kernel`` whatever the device and dtype."""
+    original = functional.select_kernel
+    functional.select_kernel = lambda *args: kernel
+    try:
+        yield
+    finally:
+        functional.select_kernel = original
+
+
 @given(configs(max_len=32, max_heads=4))
 def test_math_kernel_matches_reference(cfg):
     """The unfused kernel (used for dropout and float64 on CUDA) on the whole pipeline."""
-    original = functional.select_kernel
-    functional.select_kernel = lambda *args: MathKernel
-    try:
+    with forced_kernel(MathKernel):
         compare_with_reference(cfg)
-    finally:
-        functional.select_kernel = original
 
 
 @pytest.mark.parametrize("mode", ["mixture", "head_groups"])
@@ -160,3 +168,19 @@ def test_nan_in_nan_out():
     out = dilated_attention(q, k, v, [8], [1])
     assert torch.isnan(out[0, 3, 0]).all()
     assert torch.isfinite(out[0, :, 1]).all()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_kernel_calls_fit_the_op_schemas(masked):
+    """No GPU here: run the whole pipeline with the CUDA kernel on meta tensors, which
+    checks the calls against PyTorch's schemas and shape functions (not the numbers;
+    `dilated-attention check --device cuda` does that on a GPU)."""
+    from dilated_attention.kernels import CudaEfficientKernel
+
+    with forced_kernel(CudaEfficientKernel):
+        q, k, v = (torch.empty(2, 37, 5, 12, device="meta", requires_grad=True) for _ in range(3))
+        mask = torch.empty(2, 37, dtype=torch.bool, device="meta") if masked else None
+        out, lse = dilated_attention(q, k, v, [8, 16], [1, 3], key_padding_mask=mask, return_lse=True)
+        grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert out.shape == q.shape and lse.shape == (2, 37, 5) and lse.dtype == torch.float32
+    assert all(g.shape == q.shape for g in grads)

@@ -121,34 +121,45 @@ def _cuda_bias(bias, heads, length):
     return storage[..., :length].expand(bias.shape[0], heads, length, length)
 
 
+def _pad_head_dim(*tensors):
+    """Zero-pad the last dim to a multiple of 8, the alignment of the fused CUDA
+    kernels; zeros change neither ``q @ k^T`` nor the kept columns of the output."""
+    dim = tensors[0].shape[-1]
+    pad = -dim % 8
+    return [torch.nn.functional.pad(t, (0, pad)) if pad else t for t in tensors]
+
+
 def _cuda_lse_width(length: int) -> int:
     """Width of the LSE the CUDA memory-efficient kernel works with."""
     return length if torch.version.hip else -(-length // 32) * 32
 
 
 class CudaEfficientKernel:
-    """PyTorch's fused CUDA memory-efficient attention (no dropout)."""
+    """PyTorch's fused CUDA memory-efficient attention (no dropout). The scale is
+    always passed explicitly, so padding the head dim does not change it."""
 
     name = "cuda_efficient"
 
     @staticmethod
     def forward(q, k, v, bias, is_causal, scale, dropout_p=0.0, seed=0):
+        dim, length = q.shape[-1], q.shape[2]
+        qp, kp, vp = _pad_head_dim(q, k, v)
         out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-            q, k, v, _cuda_bias(bias, q.shape[1], q.shape[2]), True, 0.0, is_causal, scale=scale
+            qp, kp, vp, _cuda_bias(bias, q.shape[1], length), True, 0.0, is_causal, scale=scale
         )
-        return out, lse[..., : q.shape[2]]
+        return out[..., :dim], lse[..., :length]
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout_p=0.0, seed=0):
-        length = q.shape[2]
+        dim, length = q.shape[-1], q.shape[2]
         lse_padded = lse.new_full((*lse.shape[:-1], _cuda_lse_width(length)), math.inf, dtype=torch.float32)
         lse_padded[..., :length] = lse
         no_rng = torch.empty((), dtype=torch.int64)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, _cuda_bias(bias, q.shape[1], length), out, lse_padded,
-            no_rng, no_rng, 0.0, [True, True, True, False], is_causal, scale=scale,
+            *_pad_head_dim(dout, q, k, v), _cuda_bias(bias, q.shape[1], length), *_pad_head_dim(out),
+            lse_padded, no_rng, no_rng, 0.0, [True, True, True, False], is_causal, scale=scale,
         )
-        return dq, dk, dv
+        return dq[..., :dim], dk[..., :dim], dv[..., :dim]
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float):
