@@ -11,8 +11,8 @@ the exact gradient of the whole function; the block gradients are added into
 ``dq, dk, dv`` in place. Only the inputs, the mask, the output and the LSE are
 saved.
 
-``head_groups`` uses the same path: its blocks never overlap, so merging is a copy,
-and the final ``1 / G`` is applied to the output (and to the incoming gradient).
+``head_groups`` uses the same path: its blocks never overlap, so each result is
+written once, with the final ``1 / G`` applied in the same pass.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ from .plan import Block
 class EngineConfig:
     """Everything about one call except the tensors.
 
-    ``blocks``: the plan; ``overlapping``: whether blocks of different branches write
-    the same (position, head) cells (``mixture``), so results must be merged rather
-    than copied; ``out_scale``: factor applied to the merged output (``1 / G`` in
-    ``head_groups``); ``kernel``: one of the classes of :mod:`dilated_attention.kernels`.
+    ``blocks``: the plan (see :func:`dilated_attention.plan.make_plan`);
+    ``unwritten_heads``: head slices the fresh blocks do not fully write
+    (:func:`dilated_attention.plan.partly_covered_heads`); ``out_scale``: factor applied to the merged output (``1 / G`` in
+    ``head_groups``, where blocks never overlap); ``kernel``: one of the classes of
+    :mod:`dilated_attention.kernels`.
     """
 
     blocks: tuple[Block, ...]
-    overlapping: bool
+    unwritten_heads: tuple[slice, ...]
     is_causal: bool
     scale: float
     dropout_p: float
@@ -71,13 +72,31 @@ def _block_mask(block: Block, padding: Optional[torch.Tensor], dtype, is_causal:
     return bias[:, None, None, :], empty[:, None, :]
 
 
+def _buffer(shape, dtype, device, cfg: EngineConfig, fill: float) -> torch.Tensor:
+    """Uninitialised buffer, with ``fill`` in the heads the fresh blocks may not cover."""
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    for heads in cfg.unwritten_heads:
+        buf[:, :, heads].fill_(fill)
+    return buf
+
+
+def _write(dst: torch.Tensor, src: torch.Tensor, fresh: bool, scale: float = 1.0) -> None:
+    """``dst <- scale * src`` for a fresh block, else ``dst += src``; one pass, in place."""
+    if not fresh:
+        dst.add_(src)
+    elif scale != 1.0:
+        torch.mul(src, scale, out=dst)
+    else:
+        dst.copy_(src)
+
+
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
     """In place: ``lse <- logaddexp(lse, l)``, ``out <- out * e^(lse_old - lse) + o * e^(l - lse)``.
 
     ``out`` ``(..., D)`` and ``lse`` ``(...)`` are views into the running buffers."""
     new = torch.logaddexp(lse, l)
     base = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    out.mul_((lse - base).exp_().unsqueeze(-1)).add_(o * (l - base).exp_().unsqueeze(-1))
+    out.mul_((lse - base).exp_().unsqueeze(-1)).addcmul_(o, (l - base).exp_().unsqueeze(-1))
     lse.copy_(new)
 
 
@@ -91,10 +110,9 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def engine_forward(q, k, v, padding, cfg: EngineConfig, seed: int):
     """Output ``(B, N, H, D)`` in ``q.dtype`` and LSE ``(B, N, H)``; see module docstring."""
-    batch, seq_len, heads, dim = q.shape
-    acc = _accumulation_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full((batch, seq_len, heads), -math.inf, dtype=_lse_dtype(q.dtype), device=q.device)
+    batch, seq_len, heads, _ = q.shape
+    out = _buffer(q.shape, _accumulation_dtype(q.dtype), q.device, cfg, 0.0)
+    lse = _buffer((batch, seq_len, heads), _lse_dtype(q.dtype), q.device, cfg, -math.inf)
     for index, block in enumerate(cfg.blocks):
         qb, kb, vb = (_to_kernel(block.select(t)) for t in (q, k, v))
         bias, empty = _block_mask(block, padding, q.dtype, cfg.is_causal)
@@ -104,36 +122,37 @@ def engine_forward(q, k, v, padding, cfg: EngineConfig, seed: int):
             o = o.masked_fill(empty.unsqueeze(-1), 0.0)
         o, l = _from_kernel(o, batch), _from_kernel(l, batch)
         out_view, lse_view = block.select(out), block.select(lse)
-        if cfg.overlapping and block.branch > 0:
-            _merge_into(out_view, lse_view, o, l)
-        else:  # the first write to these cells
-            out_view.copy_(o)
+        if block.fresh:
+            _write(out_view, o, True, cfg.out_scale)
             lse_view.copy_(l)
-    if cfg.out_scale != 1.0:
-        out.mul_(cfg.out_scale)
+        else:
+            _merge_into(out_view, lse_view, o, l)
     return out.to(q.dtype), lse
 
 
 def engine_backward(grad_out, q, k, v, padding, out, lse, cfg: EngineConfig, seed: int):
-    """``dq, dk, dv`` of ``(out * 1)`` given ``grad_out``; ``out``/``lse`` as returned by
-    :func:`engine_forward`."""
+    """``dq, dk, dv`` given ``grad_out``; ``out``/``lse`` as returned by :func:`engine_forward`.
+
+    With ``out_scale = s`` (``head_groups``) the kernel must differentiate the
+    unscaled output ``O = out / s`` for the gradient ``s * grad_out``; being linear
+    in the gradient and in ``rowsum(grad * O)``, that equals ``s`` times its result
+    for ``grad_out`` and ``O``, so only ``O`` is formed and ``s`` joins the copy."""
     batch = q.shape[0]
     acc = _accumulation_dtype(q.dtype)
-    grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
+    grads = [_buffer(t.shape, acc, t.device, cfg, 0.0) for t in (q, k, v)]
     # A row with no key at all has lse = -inf; +inf makes all its probabilities 0.
     lse = lse.masked_fill(torch.isneginf(lse), math.inf)
     for index, block in enumerate(cfg.blocks):
         qb, kb, vb, ob, gb = (_to_kernel(block.select(t)) for t in (q, k, v, out, grad_out))
-        if cfg.out_scale != 1.0:  # the kernel differentiates the unscaled merged output
+        if cfg.out_scale != 1.0:
             ob = ob / cfg.out_scale
-            gb = gb * cfg.out_scale
         lb = _to_kernel(block.select(lse))
         bias, _ = _block_mask(block, padding, q.dtype, cfg.is_causal)
         block_grads = cfg.kernel.backward(
             gb, qb, kb, vb, ob, lb, bias, cfg.is_causal, cfg.scale, cfg.dropout_p, seed + index
         )
         for grad, block_grad in zip(grads, block_grads):
-            block.select(grad).add_(_from_kernel(block_grad, batch))
+            _write(block.select(grad), _from_kernel(block_grad, batch), block.fresh, cfg.out_scale)
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
 

@@ -9,7 +9,7 @@ import torch
 from . import validation
 from .engine import DilatedAttentionFunction, EngineConfig
 from .kernels import select_kernel
-from .plan import make_plan
+from .plan import make_plan, partly_covered_heads
 
 
 def dilated_attention(
@@ -65,7 +65,7 @@ def dilated_attention(
         validation.check_head_groups(num_heads, num_branches)
     cfg = EngineConfig(
         blocks=tuple(make_plan(seq_len, num_heads, segment_lengths, dilation_rates, mode)),
-        overlapping=mode == "mixture",
+        unwritten_heads=tuple(partly_covered_heads(num_heads, dilation_rates, mode)),
         is_causal=is_causal,
         scale=scale,
         dropout_p=dropout_p,

@@ -27,7 +27,9 @@ class Block:
     """One fused-kernel call: rows ``offset::rate`` of ``nseg`` segments of ``seglen``
     positions starting at sequence position ``start``, for the heads in ``heads``.
 
-    ``branch`` is the index of the ``(w, r)`` pair the block belongs to.
+    ``branch`` is the index of the ``(w, r)`` pair the block belongs to; ``fresh``
+    means no earlier block of the plan writes any of its (position, head) cells, so
+    its result is written rather than merged.
     """
 
     branch: int
@@ -37,6 +39,7 @@ class Block:
     rate: int
     offset: int
     heads: slice
+    fresh: bool
 
     @property
     def rows(self) -> int:
@@ -86,8 +89,11 @@ def make_plan(
     """All blocks of one dilated attention, branch by branch.
 
     ``mixture``: every branch on every head, head ``j`` with offset ``j % r``, so the
-    heads of one offset form the slice ``offset::r``. ``head_groups``: branch ``i``
-    on head group ``i`` only, offset ``i % r_i``. Blocks with no rows are dropped.
+    heads of one offset form the slice ``offset::r``; the first branch with ``r = 1``
+    (if any) goes first, so that its blocks, which cover every cell, are written
+    and the others merged into them. ``head_groups``: branch ``i`` on head group
+    ``i`` only, offset ``i % r_i``; no two blocks share a cell. Blocks with no rows
+    are dropped.
     """
     if mode == "mixture":
         head_sets = [
@@ -96,10 +102,26 @@ def make_plan(
     else:
         bounds = head_group_bounds(num_heads, len(segment_lengths))
         head_sets = [[(i % r, slice(*bounds[i]))] for i, r in enumerate(dilation_rates)]
+    order = list(range(len(segment_lengths)))
+    if mode == "mixture" and 1 in dilation_rates:
+        first = dilation_rates.index(1)
+        order = [first] + [i for i in order if i != first]
     blocks = []
-    for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+    for i in order:
+        w, r = segment_lengths[i], dilation_rates[i]
+        fresh = mode == "head_groups" or i == order[0]
         for start, nseg, seglen in _segment_groups(seq_len, w):
             for offset, heads in head_sets[i]:
                 if offset < seglen:
-                    blocks.append(Block(i, start, nseg, seglen, r, offset, heads))
+                    blocks.append(Block(i, start, nseg, seglen, r, offset, heads, fresh))
     return blocks
+
+
+def partly_covered_heads(num_heads: int, dilation_rates: Sequence[int], mode: str) -> list[slice]:
+    """Head slices in which the fresh blocks leave cells unwritten, which must be
+    initialised (output 0, LSE ``-inf``). A fresh branch with ``r = 1`` writes every
+    position of its heads (its segments tile the sequence); one with ``r > 1`` does not."""
+    if mode == "mixture":
+        return [] if 1 in dilation_rates else [slice(0, num_heads)]
+    bounds = head_group_bounds(num_heads, len(dilation_rates))
+    return [slice(*bounds[i]) for i, r in enumerate(dilation_rates) if r > 1]
