@@ -81,13 +81,15 @@ def _buffer(shape, dtype, device, cfg: EngineConfig, fill: float) -> torch.Tenso
 
 
 def _write(dst: torch.Tensor, src: torch.Tensor, fresh: bool, scale: float = 1.0) -> None:
-    """``dst <- scale * src`` for a fresh block, else ``dst += src``; one pass, in place."""
+    """``dst <- scale * src`` for a fresh block, else ``dst += src``, in place. (The
+    scaling is a second pass over the block: ``torch.mul(..., out=dst)`` would fuse it,
+    but ``torch.compile`` cannot trace a non-contiguous ``out=``.)"""
     if not fresh:
         dst.add_(src)
-    elif scale != 1.0:
-        torch.mul(src, scale, out=dst)
     else:
         dst.copy_(src)
+        if scale != 1.0:
+            dst.mul_(scale)
 
 
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:

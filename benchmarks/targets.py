@@ -1,0 +1,93 @@
+"""Measure the performance targets of issue 3 on this machine and say which are met.
+
+    python3 benchmarks/targets.py [--device cpu] [--skip-1m]
+
+Config (the issue's): float32, B=1, H=8, D=64, segment_lengths=[2048, 4096, 8192],
+dilation_rates=[1, 2, 4]; 2 CPU threads on CPU. Every ratio is measured against a
+4096 x 4096 matmul run alternately with the measured call (see
+dilated_attention.benchmark). Writes benchmarks/results/targets-<device>-float32.json.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from dilated_attention import benchmark
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-1m", action="store_true", help="skip the 1,048,576-token forward")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+
+    def rows(seq_lens, impls, **overrides):
+        cfg = benchmark.BenchConfig(seq_lens=seq_lens, implementations=impls, device=args.device, **overrides)
+        result = benchmark.run(cfg, progress=False)
+        print(benchmark.format_table(result), "\n", flush=True)
+        return result
+
+    speed = rows([32768], ["kernel", "mixture", "head_groups"], repeats=args.repeats, memory=False)
+    memory = rows([131072], ["mixture", "head_groups"], repeats=1, backward=False)
+    lengths = [16384] + ([] if args.skip_1m else [1048576])
+    scaling = rows(lengths, ["mixture", "head_groups"], repeats=1, backward=False, memory=False, max_seconds=1e9)
+
+    def row(result, impl, n):
+        return next(r for r in result.rows if r.impl == impl and r.seq_len == n)
+
+    checks = []
+    for impl, fwd_target, fb_target in (("head_groups", 0.9, 0.8), ("mixture", 0.8, 0.7)):
+        r = row(speed, impl, 32768)
+        checks.append((f"{impl} forward ratio at N=32768", r.fwd_ratio, ">=", fwd_target))
+        checks.append((f"{impl} fwd+bwd ratio at N=32768", r.fwd_bwd_ratio, ">=", fb_target))
+    kernel = row(speed, "kernel", 32768)
+    checks.append(("fused kernel alone: forward ratio (the ceiling)", kernel.fwd_ratio, "info", None))
+    checks.append(("fused kernel alone: fwd+bwd ratio (the ceiling)", kernel.fwd_bwd_ratio, "info", None))
+    for impl, target in (("head_groups", 0.3), ("mixture", 0.6)):
+        r = row(memory, impl, 131072)
+        if r.fwd_peak_added_bytes is not None:
+            checks.append((f"{impl} forward memory added / (q,k,v,out) at N=131072", r.fwd_peak_added_bytes / r.io_bytes, "<=", target))
+    if not args.skip_1m:
+        for impl in ("mixture", "head_groups"):
+            small, big = row(scaling, impl, 16384), row(scaling, impl, 1048576)
+            per_token = (big.fwd_ms / big.seq_len) / (small.fwd_ms / small.seq_len)
+            checks.append((f"{impl} forward time per token, N=1M / N=16K", per_token, "<=", 1.2))
+
+    print(f"{'target':58} {'measured':>9} {'goal':>8}  met")
+    report = []
+    for name, value, op, goal in checks:
+        met = None if op == "info" else (value >= goal if op == ">=" else value <= goal)
+        goal_text = "" if goal is None else f"{op} {goal}"
+        print(f"{name:58} {value:9.3f} {goal_text:>8}  {'' if met is None else ('yes' if met else 'NO')}")
+        report.append({"target": name, "measured": value, "goal": goal_text, "met": met})
+
+    out = os.path.join(HERE, "results", f"targets-{args.device}-float32.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(
+            {
+                "machine": speed.machine,
+                "checks": report,
+                "runs": {
+                    name: [vars(r) for r in res.rows]
+                    for name, res in (("speed", speed), ("memory", memory), ("scaling", scaling))
+                },
+            },
+            f,
+            indent=1,
+        )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,450 @@
+"""Time and memory of dilated attention against dense attention, as a ratio of the
+machine's own matrix-multiply speed measured in the same run.
+
+FLOPs are *useful* FLOPs: ``4 * D`` per (query, key) pair the configuration
+actually attends (``2 * D`` for ``q @ k^T``, ``2 * D`` for ``p @ v``), counted from
+the plan; forward + backward counts 3.5x the forward (backward = 2.5x, the
+FlashAttention convention); causal counts the pairs on or below the diagonal.
+
+Memory: the peak bytes one call adds on top of its inputs, without its output: on
+CUDA from the caching allocator's statistics, on CPU (Linux) from the process's
+peak resident set, reset before each call (``/proc/self/clear_refs``), with glibc
+told to return large blocks to the system at once so that freed memory is not
+silently reused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .functional import dilated_attention
+from .kernels import select_kernel
+from .plan import make_plan
+
+IMPLEMENTATIONS = ("dense", "kernel", "mixture", "head_groups")
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def attended_pairs(
+    batch: int, seq_len: int, heads: int, segment_lengths, dilation_rates, mode: str, is_causal: bool
+) -> int:
+    """Number of (query, key) pairs attended, from the plan (``dense``: all pairs)."""
+    if mode == "dense":
+        per_head = seq_len * (seq_len + 1) // 2 if is_causal else seq_len * seq_len
+        return batch * heads * per_head
+    total = 0
+    for block in make_plan(seq_len, heads, segment_lengths, dilation_rates, mode):
+        rows = block.rows
+        per_segment = rows * (rows + 1) // 2 if is_causal else rows * rows
+        total += batch * block.nseg * len(range(heads)[block.heads]) * per_segment
+    return total
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_against_matmul(fn: Callable[[], object], device: torch.device, dtype, repeats: int, size: int = 4096):
+    """Run ``fn`` and a ``size x size`` matmul alternately ``repeats`` times (after one
+    warm-up of each) and return the median seconds of ``fn`` and the median of
+    ``(1 / t_fn) / (matmul GFLOP/s)`` pairs, so that drifts of the machine's speed
+    between measurements cancel. Multiply that by ``fn``'s GFLOP to get the ratio."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+
+    def timed(call):
+        _synchronize(device)
+        start = time.perf_counter()
+        call()
+        _synchronize(device)
+        return time.perf_counter() - start
+
+    timed(fn)
+    timed(lambda: a @ b)
+    fn_times, per_matmul = [], []
+    for _ in range(repeats):
+        t_mm = timed(lambda: a @ b)
+        t_fn = timed(fn)
+        fn_times.append(t_fn)
+        per_matmul.append((1.0 / t_fn) / (2 * size**3 / t_mm / 1e9))
+    return statistics.median(fn_times), statistics.median(per_matmul)
+
+
+def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 4096, repeats: int = 5) -> float:
+    """GFLOP/s of one large square ``size x size`` product (median of ``repeats``)."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e9
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+class PeakMemory:
+    """Peak bytes allocated during a ``with`` block above what was allocated before."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.added: Optional[int] = None
+
+    @staticmethod
+    def supported(device: torch.device) -> bool:
+        if device.type == "cuda":
+            return True
+        return sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs")
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._before = torch.cuda.memory_allocated(self.device)
+        else:
+            _release_freed_memory()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak resident set size to the current one
+            self._before = _proc_status_kb("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.added = torch.cuda.max_memory_allocated(self.device) - self._before
+        else:
+            self.added = _proc_status_kb("VmHWM") * 1024 - self._before
+        return False
+
+
+def _proc_status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+_MALLOC_CONFIGURED = False
+
+
+def _release_freed_memory() -> None:
+    """glibc: serve blocks >= 256 KiB by mmap (returned to the system on free) and
+    trim the heap, so the resident set follows what is really allocated."""
+    global _MALLOC_CONFIGURED
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    if not _MALLOC_CONFIGURED:
+        m_mmap_threshold, m_trim_threshold = -3, -1
+        libc.mallopt(m_mmap_threshold, 256 * 1024)
+        libc.mallopt(m_trim_threshold, 256 * 1024)
+        _MALLOC_CONFIGURED = True
+    libc.malloc_trim(0)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@dataclass
+class BenchConfig:
+    seq_lens: Sequence[int]
+    segment_lengths: Sequence[int] = (2048, 4096, 8192)
+    dilation_rates: Sequence[int] = (1, 2, 4)
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+    is_causal: bool = False
+    implementations: Sequence[str] = IMPLEMENTATIONS
+    repeats: int = 3
+    backward: bool = True
+    memory: bool = True
+    max_seconds: float = 60.0  # skip a measurement predicted to take longer than this
+    matmul_size: int = 4096  # side of the square matmul the ratios refer to
+
+
+@dataclass
+class Row:
+    impl: str
+    seq_len: int
+    fwd_ms: Optional[float] = None
+    fwd_bwd_ms: Optional[float] = None
+    fwd_gflops: Optional[float] = None
+    fwd_bwd_gflops: Optional[float] = None
+    fwd_ratio: Optional[float] = None
+    fwd_bwd_ratio: Optional[float] = None
+    fwd_peak_added_bytes: Optional[int] = None
+    fwd_bwd_peak_added_bytes: Optional[int] = None
+    io_bytes: int = 0  # bytes of q, k, v and the output
+    note: str = ""
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    machine: dict
+    matmul_gflops: float
+    rows: list[Row] = field(default_factory=list)
+
+
+def _workload(impl: str, seq_len: int, cfg: BenchConfig):
+    """``(inputs, fn, pairs)`` of one implementation at one length.
+
+    ``dense``: PyTorch SDPA over the whole sequence. ``kernel``: the fused kernel the
+    engine uses, alone, on one contiguous batch shaped like the first branch's work
+    (``B * N // w`` segments of ``ceil(w / r)`` rows, all heads): the ceiling the
+    engine's overhead is measured against. ``mixture``/``head_groups``: the library.
+    """
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    args = (cfg.batch, seq_len, cfg.heads, cfg.segment_lengths, cfg.dilation_rates)
+    if impl == "kernel":
+        w, r = cfg.segment_lengths[0], cfg.dilation_rates[0]
+        rows = -(-w // r)
+        shape = (cfg.batch * max(seq_len // w, 1), cfg.heads, rows, cfg.head_dim)
+        kernel = select_kernel(device, dtype, 0.0)
+        scale = cfg.head_dim**-0.5
+
+        def fn(q, k, v):
+            return kernel.forward(q, k, v, None, cfg.is_causal, scale)[0]
+
+        pairs = shape[0] * shape[1] * (rows * (rows + 1) // 2 if cfg.is_causal else rows * rows)
+        # the kernel's own backward
+        def fn_with_grad(q, k, v, grad):
+            out, lse = kernel.forward(q, k, v, None, cfg.is_causal, scale)
+            return kernel.backward(grad, q, k, v, out, lse, None, cfg.is_causal, scale)
+
+    else:
+        shape = (cfg.batch, seq_len, cfg.heads, cfg.head_dim)
+        pairs = attended_pairs(*args, impl, cfg.is_causal)
+        fn_with_grad = None
+        if impl == "dense":
+
+            def fn(q, k, v):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=cfg.is_causal
+                )
+                return out.transpose(1, 2)
+
+        else:
+
+            def fn(q, k, v):
+                return dilated_attention(
+                    q, k, v, cfg.segment_lengths, cfg.dilation_rates, mode=impl, is_causal=cfg.is_causal
+                )
+
+    inputs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(4)]
+    return inputs, fn, fn_with_grad, pairs
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def measure(impl: str, seq_len: int, cfg: BenchConfig, predicted_s: Optional[float]) -> Row:
+    """One row: forward (and forward + backward) time, GFLOP/s, ratio to the matmul
+    GFLOP/s measured alongside, and peak memory."""
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    row = Row(impl, seq_len)
+    if predicted_s is not None and predicted_s > cfg.max_seconds:
+        row.note = f"skipped: predicted {predicted_s:.0f} s > --max-seconds {cfg.max_seconds:.0f}"
+        return row
+    (q, k, v, grad), fn, fn_with_grad, pairs = _workload(impl, seq_len, cfg)
+    row.io_bytes = 4 * q.numel() * q.element_size()
+    gflop = 4 * cfg.head_dim * pairs / 1e9
+    track_memory = cfg.memory and PeakMemory.supported(device)
+    if track_memory:
+        with torch.no_grad(), PeakMemory(device) as peak:
+            out = fn(q, k, v)
+        row.fwd_peak_added_bytes = peak.added - out.numel() * out.element_size()
+        del out
+    with torch.no_grad():
+        seconds, per_matmul = time_against_matmul(lambda: fn(q, k, v), device, dtype, cfg.repeats, cfg.matmul_size)
+    row.fwd_ms, row.fwd_gflops, row.fwd_ratio = 1e3 * seconds, gflop / seconds, gflop * per_matmul
+    if cfg.backward:
+        if fn_with_grad is None:
+            for t in (q, k, v):
+                t.requires_grad_()
+
+            def step():
+                return torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
+
+        else:
+
+            def step():
+                return fn_with_grad(q, k, v, grad)
+
+        if track_memory:
+            with PeakMemory(device) as peak:
+                step()
+            row.fwd_bwd_peak_added_bytes = peak.added
+        seconds, per_matmul = time_against_matmul(step, device, dtype, cfg.repeats, cfg.matmul_size)
+        row.fwd_bwd_ms = 1e3 * seconds
+        row.fwd_bwd_gflops, row.fwd_bwd_ratio = 3.5 * gflop / seconds, 3.5 * gflop * per_matmul
+    return row
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = int(width * done / total) if total else width
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
+    """Measure every implementation at every length, after the matmul reference."""
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    torch.manual_seed(0)
+    result = BenchResult(cfg, machine_info(device), matmul_gflops(device, dtype, cfg.matmul_size))
+    total = len(cfg.implementations) * len(cfg.seq_lens)
+    last: dict[str, Row] = {}
+    for impl in cfg.implementations:
+        for seq_len in sorted(cfg.seq_lens):
+            if progress:
+                _progress(len(result.rows), total, f"{impl} N={seq_len}")
+            prev = last.get(impl)
+            predicted = None
+            if prev is not None and prev.fwd_ms is not None:
+                growth = (seq_len / prev.seq_len) ** (2 if impl == "dense" else 1)
+                per_call = (prev.fwd_bwd_ms or prev.fwd_ms) / 1e3 * growth
+                predicted = per_call * (cfg.repeats + 2)
+            row = measure(impl, seq_len, cfg, predicted)
+            result.rows.append(row)
+            last[impl] = row if row.fwd_ms is not None else prev
+    if progress:
+        _progress(total, total, "done")
+    return result
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _fmt(value, width: int, precision: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{precision}f}"
+
+
+def format_table(result: BenchResult) -> str:
+    cfg = result.config
+    lines = [
+        f"device {cfg.device} ({result.machine.get('gpu', result.machine['cpu'])}), "
+        f"{result.machine['threads']} threads, {cfg.dtype}, B={cfg.batch} H={cfg.heads} D={cfg.head_dim}, "
+        f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}"
+        f"{', causal' if cfg.is_causal else ''}",
+        f"matmul reference: {result.matmul_gflops:.1f} GFLOP/s ({cfg.matmul_size} x {cfg.matmul_size} product, "
+        f"{cfg.dtype}, at the start)",
+        "ratio = useful GFLOP/s / matmul GFLOP/s, median of runs alternating with the matmul; "
+        "mem = peak bytes a call adds (forward: output excluded) / bytes of q, k, v and output",
+        "kernel = the fused kernel alone on one contiguous batch shaped like the first branch's work",
+        "",
+        f"{'impl':11} {'N':>8} {'fwd ms':>9} {'tok/s':>9} {'GFLOP/s':>8} {'ratio':>6} "
+        f"{'f+b ms':>9} {'GFLOP/s':>8} {'ratio':>6} {'fwd mem':>8} {'f+b mem':>8}",
+    ]
+    for r in result.rows:
+        if r.fwd_ms is None:
+            lines.append(f"{r.impl:11} {r.seq_len:>8} {r.note}")
+            continue
+        tokens = cfg.batch * r.seq_len / (r.fwd_ms / 1e3)
+        mem_f = None if r.fwd_peak_added_bytes is None else r.fwd_peak_added_bytes / r.io_bytes
+        mem_fb = None if r.fwd_bwd_peak_added_bytes is None else r.fwd_bwd_peak_added_bytes / r.io_bytes
+        lines.append(
+            f"{r.impl:11} {r.seq_len:>8} {r.fwd_ms:>9.1f} {tokens:>9.0f} {r.fwd_gflops:>8.1f} "
+            f"{r.fwd_ratio:>6.2f} {_fmt(r.fwd_bwd_ms, 9, 1)} {_fmt(r.fwd_bwd_gflops, 8, 1)} "
+            f"{_fmt(r.fwd_bwd_ratio, 6, 2)} {_fmt(mem_f, 8, 2)} {_fmt(mem_fb, 8, 2)}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(result: BenchResult, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    payload = {
+        "config": asdict(result.config),
+        "machine": result.machine,
+        "matmul_gflops": result.matmul_gflops,
+        "rows": [asdict(r) for r in result.rows],
+    }
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def plot(result: BenchResult, path: str) -> None:
+    """Log-log time and peak memory against N, dense vs dilated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for impl in result.config.implementations:
+        rows = [r for r in result.rows if r.impl == impl and r.fwd_ms is not None]
+        if not rows:
+            continue
+        n = [r.seq_len for r in rows]
+        ax_t.plot(n, [r.fwd_ms for r in rows], "o-", label=f"{impl} forward")
+        if all(r.fwd_bwd_ms is not None for r in rows):
+            ax_t.plot(n, [r.fwd_bwd_ms for r in rows], "s--", label=f"{impl} fwd+bwd")
+        if all(r.fwd_peak_added_bytes is not None for r in rows):
+            ax_m.plot(n, [max(r.fwd_peak_added_bytes, 1) / 2**20 for r in rows], "o-", label=f"{impl} forward")
+        if all(r.fwd_bwd_peak_added_bytes is not None for r in rows):
+            ax_m.plot(n, [max(r.fwd_bwd_peak_added_bytes, 1) / 2**20 for r in rows], "s--", label=f"{impl} fwd+bwd")
+    for ax, label in ((ax_t, "time (ms)"), (ax_m, "peak memory added (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    cfg = result.config
+    fig.suptitle(
+        f"{cfg.device} ({result.machine.get('gpu', result.machine['cpu'])}), {cfg.dtype}, "
+        f"H={cfg.heads} D={cfg.head_dim}, w={list(cfg.segment_lengths)} r={list(cfg.dilation_rates)}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
