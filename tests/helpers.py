@@ -1,8 +1,11 @@
 """Random inputs and hypothesis strategies shared by the tests."""
 
+import contextlib
+
 import torch
 from hypothesis import strategies as st
 
+import dilated_attention.functional as functional
 from dilated_attention.plan import MODES
 
 
@@ -41,3 +44,25 @@ def split_config(cfg):
     inputs = {key: cfg[key] for key in ("seed", "batch", "seq_len", "heads", "head_dim", "masked")}
     attention = {key: cfg[key] for key in ("segment_lengths", "dilation_rates", "mode", "is_causal")}
     return inputs, attention
+
+
+@contextlib.contextmanager
+def forced_kernel(kernel):
+    """Make the functional API use ``kernel`` whatever the device and dtype."""
+    original = functional.select_kernel
+    functional.select_kernel = lambda *args: kernel
+    try:
+        yield
+    finally:
+        functional.select_kernel = original
+
+
+@contextlib.contextmanager
+def call_budget(elements):
+    """Cut every block into kernel calls of at most ``elements`` output elements."""
+    original = dict(functional.MAX_CALL_ELEMENTS)
+    functional.MAX_CALL_ELEMENTS.update(cpu=elements, default=elements)
+    try:
+        yield
+    finally:
+        functional.MAX_CALL_ELEMENTS.update(original)

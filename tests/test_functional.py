@@ -1,12 +1,11 @@
 """The fast path against the float64 reference: forward, LSE and gradients."""
 
-import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import configs, random_inputs, split_config
+from helpers import call_budget, configs, forced_kernel, random_inputs, split_config
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -44,15 +43,10 @@ def test_low_precision_within_tolerance(cfg, dtype):
     compare_with_reference(cfg, dtype=dtype, tolerance=TOLERANCES[dtype])
 
 
-@contextlib.contextmanager
-def forced_kernel(kernel):
-    """Make the functional API use ``kernel`` whatever the device and dtype."""
-    original = functional.select_kernel
-    functional.select_kernel = lambda *args: kernel
-    try:
-        yield
-    finally:
-        functional.select_kernel = original
+@given(configs(), st.integers(1, 300))
+def test_blocks_cut_into_many_calls_match_reference(cfg, elements):
+    with call_budget(elements):
+        compare_with_reference(cfg)
 
 
 @given(configs(max_len=32, max_heads=4))

@@ -49,7 +49,7 @@ def attended_pairs(
     for block in make_plan(seq_len, heads, segment_lengths, dilation_rates, mode):
         rows = block.rows
         per_segment = rows * (rows + 1) // 2 if is_causal else rows * rows
-        total += batch * block.nseg * len(range(heads)[block.heads]) * per_segment
+        total += batch * block.nseg * block.head_count * per_segment
     return total
 
 

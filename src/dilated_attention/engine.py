@@ -33,18 +33,32 @@ class EngineConfig:
 
     ``blocks``: the plan (see :func:`dilated_attention.plan.make_plan`);
     ``unwritten_heads``: head slices the fresh blocks do not fully write
-    (:func:`dilated_attention.plan.partly_covered_heads`); ``out_scale``: factor applied to the merged output (``1 / G`` in
+    (:func:`dilated_attention.plan.partly_covered_heads`); ``max_call_elements``:
+    a block is run in chunks of whole segments whose output has at most this many
+    elements (at least one segment per call), which bounds the temporary memory
+    and, on CPU, keeps it small enough to be reused rather than freshly paged in
+    each call; ``out_scale``: factor applied to the merged output (``1 / G`` in
     ``head_groups``, where blocks never overlap); ``kernel``: one of the classes of
     :mod:`dilated_attention.kernels`.
     """
 
     blocks: tuple[Block, ...]
     unwritten_heads: tuple[slice, ...]
+    max_call_elements: int
     is_causal: bool
     scale: float
     dropout_p: float
     out_scale: float
     kernel: type
+
+
+def _calls(cfg: EngineConfig, batch: int, head_dim: int) -> list[Block]:
+    """The kernel calls: every block, cut into chunks of at most ``max_call_elements``."""
+    calls = []
+    for block in cfg.blocks:
+        per_segment = batch * block.rows * block.head_count * head_dim
+        calls.extend(block.chunks(max(1, cfg.max_call_elements // per_segment)))
+    return calls
 
 
 def _to_kernel(x: torch.Tensor) -> torch.Tensor:
@@ -102,8 +116,11 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.
     lse.copy_(new)
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+def _accumulation_dtype(dtype: torch.dtype, cfg: EngineConfig) -> torch.dtype:
+    """float32 for float16/bfloat16 results that are merged across branches; the
+    input dtype where every cell is written once (``head_groups``) or it is >= 32 bits."""
+    merges = any(not block.fresh for block in cfg.blocks)
+    return torch.float32 if merges and dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -113,9 +130,9 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 def engine_forward(q, k, v, padding, cfg: EngineConfig, seed: int):
     """Output ``(B, N, H, D)`` in ``q.dtype`` and LSE ``(B, N, H)``; see module docstring."""
     batch, seq_len, heads, _ = q.shape
-    out = _buffer(q.shape, _accumulation_dtype(q.dtype), q.device, cfg, 0.0)
+    out = _buffer(q.shape, _accumulation_dtype(q.dtype, cfg), q.device, cfg, 0.0)
     lse = _buffer((batch, seq_len, heads), _lse_dtype(q.dtype), q.device, cfg, -math.inf)
-    for index, block in enumerate(cfg.blocks):
+    for index, block in enumerate(_calls(cfg, batch, q.shape[-1])):
         qb, kb, vb = (_to_kernel(block.select(t)) for t in (q, k, v))
         bias, empty = _block_mask(block, padding, q.dtype, cfg.is_causal)
         o, l = cfg.kernel.forward(qb, kb, vb, bias, cfg.is_causal, cfg.scale, cfg.dropout_p, seed + index)
@@ -140,11 +157,11 @@ def engine_backward(grad_out, q, k, v, padding, out, lse, cfg: EngineConfig, see
     in the gradient and in ``rowsum(grad * O)``, that equals ``s`` times its result
     for ``grad_out`` and ``O``, so only ``O`` is formed and ``s`` joins the copy."""
     batch = q.shape[0]
-    acc = _accumulation_dtype(q.dtype)
+    acc = _accumulation_dtype(q.dtype, cfg)
     grads = [_buffer(t.shape, acc, t.device, cfg, 0.0) for t in (q, k, v)]
     # A row with no key at all has lse = -inf; +inf makes all its probabilities 0.
     lse = lse.masked_fill(torch.isneginf(lse), math.inf)
-    for index, block in enumerate(cfg.blocks):
+    for index, block in enumerate(_calls(cfg, batch, q.shape[-1])):
         qb, kb, vb, ob, gb = (_to_kernel(block.select(t)) for t in (q, k, v, out, grad_out))
         if cfg.out_scale != 1.0:
             ob = ob / cfg.out_scale

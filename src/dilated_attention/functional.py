@@ -11,6 +11,12 @@ from .engine import DilatedAttentionFunction, EngineConfig
 from .kernels import select_kernel
 from .plan import make_plan, partly_covered_heads
 
+# Largest output of one kernel call, in elements. On CPU 2**22 (16 MiB in float32):
+# large enough that per-call overhead is negligible, small enough that glibc serves
+# it from reused memory instead of mapping and faulting in fresh pages each call.
+# Elsewhere the caching allocator reuses memory and larger calls keep a GPU busy.
+MAX_CALL_ELEMENTS = {"cpu": 2**22, "default": 2**28}
+
 
 def dilated_attention(
     q: torch.Tensor,
@@ -66,6 +72,7 @@ def dilated_attention(
     cfg = EngineConfig(
         blocks=tuple(make_plan(seq_len, num_heads, segment_lengths, dilation_rates, mode)),
         unwritten_heads=tuple(partly_covered_heads(num_heads, dilation_rates, mode)),
+        max_call_elements=MAX_CALL_ELEMENTS.get(q.device.type, MAX_CALL_ELEMENTS["default"]),
         is_causal=is_causal,
         scale=scale,
         dropout_p=dropout_p,

@@ -14,7 +14,7 @@ segments folded into the batch dimension. Nothing here copies data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -45,6 +45,19 @@ class Block:
     def rows(self) -> int:
         """Selected rows per segment: ``ceil((seglen - offset) / rate)``."""
         return -(-(self.seglen - self.offset) // self.rate)
+
+    @property
+    def head_count(self) -> int:
+        return len(range(self.heads.start, self.heads.stop, self.heads.step or 1))
+
+    def chunks(self, max_segments: int) -> list["Block"]:
+        """The block cut into consecutive blocks of at most ``max_segments`` segments."""
+        if self.nseg <= max_segments:
+            return [self]
+        return [
+            replace(self, start=self.start + first * self.seglen, nseg=min(max_segments, self.nseg - first))
+            for first in range(0, self.nseg, max_segments)
+        ]
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """View of the block's rows of ``x``.
