@@ -5,7 +5,8 @@
 Config (the issue's): float32, B=1, H=8, D=64, segment_lengths=[2048, 4096, 8192],
 dilation_rates=[1, 2, 4]; 2 CPU threads on CPU. Every ratio is measured against a
 4096 x 4096 matmul run alternately with the measured call (see
-dilated_attention.benchmark). Writes benchmarks/results/targets-<device>-float32.json.
+dilated_attention.benchmark). Writes benchmarks/results/targets-<device>-float32.json
+and .txt.
 """
 
 import argparse
@@ -30,10 +31,16 @@ def main() -> int:
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
 
+    lines = []
+
+    def say(text=""):
+        print(text, flush=True)
+        lines.append(text)
+
     def rows(seq_lens, impls, **overrides):
         cfg = benchmark.BenchConfig(seq_lens=seq_lens, implementations=impls, device=args.device, **overrides)
         result = benchmark.run(cfg, progress=False)
-        print(benchmark.format_table(result), "\n", flush=True)
+        say(benchmark.format_table(result) + "\n")
         return result
 
     speed = rows([32768], ["kernel", "mixture", "head_groups"], repeats=args.repeats, memory=False)
@@ -62,16 +69,18 @@ def main() -> int:
             per_token = (big.fwd_ms / big.seq_len) / (small.fwd_ms / small.seq_len)
             checks.append((f"{impl} forward time per token, N=1M / N=16K", per_token, "<=", 1.2))
 
-    print(f"{'target':58} {'measured':>9} {'goal':>8}  met")
+    say(f"{'target':58} {'measured':>9} {'goal':>8}  met")
     report = []
     for name, value, op, goal in checks:
         met = None if op == "info" else (value >= goal if op == ">=" else value <= goal)
         goal_text = "" if goal is None else f"{op} {goal}"
-        print(f"{name:58} {value:9.3f} {goal_text:>8}  {'' if met is None else ('yes' if met else 'NO')}")
+        say(f"{name:58} {value:9.3f} {goal_text:>8}  {'' if met is None else ('yes' if met else 'NO')}")
         report.append({"target": name, "measured": value, "goal": goal_text, "met": met})
 
     out = os.path.join(HERE, "results", f"targets-{args.device}-float32.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out[: -len(".json")] + ".txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
     with open(out, "w") as f:
         json.dump(
             {
@@ -85,7 +94,7 @@ def main() -> int:
             f,
             indent=1,
         )
-    print(f"wrote {out}")
+    print(f"wrote {out} and the .txt beside it")
     return 0
 
 

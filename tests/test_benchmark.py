@@ -61,6 +61,7 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     pairs = attended_pairs(1, 96, 2, [16, 32], [1, 2], "mixture", False)
     assert mixture[1]["fwd_gflops"] * mixture[1]["fwd_ms"] / 1e3 == pytest.approx(4 * 8 * pairs / 1e9)
     assert (tmp_path / "smoke.png").read_bytes()[:4] == b"\x89PNG"
+    assert "head_groups" in (tmp_path / "smoke.txt").read_text()
 
 
 def test_bench_skips_what_would_take_too_long(tmp_path, capsys):

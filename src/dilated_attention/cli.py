@@ -80,10 +80,13 @@ def _cmd_bench(args) -> int:
         matmul_size=args.matmul_size,
     )
     result = benchmark.run(cfg, progress=not args.quiet)
-    print(benchmark.format_table(result))
+    table = benchmark.format_table(result)
+    print(table)
     stem = os.path.join(args.out_dir, args.name or f"bench-{args.device}-{args.dtype}")
     benchmark.write_json(result, stem + ".json")
-    print(f"wrote {stem}.json")
+    with open(stem + ".txt", "w") as f:
+        f.write(table + "\n")
+    print(f"wrote {stem}.json and {stem}.txt")
     if not args.no_plot:
         benchmark.plot(result, stem + ".png")
         print(f"wrote {stem}.png")
