@@ -31,6 +31,7 @@ import torch
 from .functional import dilated_attention
 from .kernels import select_kernel
 from .plan import make_plan
+from .plotting import pyplot, save
 
 IMPLEMENTATIONS = ("dense", "kernel", "mixture", "head_groups")
 
@@ -414,11 +415,7 @@ def write_json(result: BenchResult, path: str) -> None:
 
 def plot(result: BenchResult, path: str) -> None:
     """Log-log time and peak memory against N, dense vs dilated."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     for impl in result.config.implementations:
         rows = [r for r in result.rows if r.impl == impl and r.fwd_ms is not None]
@@ -440,11 +437,9 @@ def plot(result: BenchResult, path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     cfg = result.config
-    fig.suptitle(
+    save(
+        fig,
+        path,
         f"{cfg.device} ({result.machine.get('gpu', result.machine['cpu'])}), {cfg.dtype}, "
         f"H={cfg.heads} D={cfg.head_dim}, w={list(cfg.segment_lengths)} r={list(cfg.dilation_rates)}",
-        fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

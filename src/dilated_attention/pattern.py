@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from .plotting import pyplot, save
 from .reference import attention_weights_uniform, branch_offsets
 
 
@@ -40,15 +41,7 @@ def draw_pattern(
 
     Each panel is one head; a cell's shade is the weight the key gets when all scores
     are equal (in ``mixture``, a key's share of the merged softmax)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError(
-            "drawing a pattern needs matplotlib: pip install 'dilated-attention[plot]'"
-        ) from exc
+    plt = pyplot()
     weights = attention_weights_uniform(
         seq_len, num_heads, segment_lengths, dilation_rates, mode=mode, is_causal=is_causal
     )
@@ -64,13 +57,7 @@ def draw_pattern(
         ax.set_xlabel("key position", fontsize=8)
         ax.set_ylabel("query position", fontsize=8)
         ax.tick_params(labelsize=7)
-    fig.suptitle(
-        f"{mode}: segment_lengths={list(segment_lengths)}, dilation_rates={list(dilation_rates)}"
-        f"{', causal' if is_causal else ''}",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"{mode}: segment_lengths={list(segment_lengths)}, dilation_rates={list(dilation_rates)}"
+    save(fig, path, title + (", causal" if is_causal else ""), fontsize=10)
     offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode)
     return summarize_heads(weights, offsets)
