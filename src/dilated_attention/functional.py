@@ -31,6 +31,7 @@ def dilated_attention(
     dropout_p: float = 0.0,
     key_padding_mask: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    process_group=None,
 ):
     """LongNet dilated attention, computed exactly as ``SPEC.md`` defines it.
 
@@ -48,6 +49,12 @@ def dilated_attention(
             ``> 0`` (the modules pass 0 in eval mode). Uses the unfused math kernel.
         key_padding_mask: optional bool ``(B, N)``, ``True`` marks a padded key.
         return_lse: also return the log-sum-exp.
+        process_group: a ``torch.distributed`` process group (``None``: one process).
+            Then ``q, k, v`` (and the mask) are this rank's contiguous shard of the
+            sequence, rank ``k`` holding the ``k``-th; shards may differ in length
+            (the lengths are exchanged on every call, with a check that all ranks
+            use the same configuration). The output and LSE are the same shard of
+            the single-process result, and so are the gradients.
 
     Returns:
         ``out`` ``(B, N, H, D)`` in the dtype of ``q``; with ``return_lse``,
@@ -69,8 +76,18 @@ def dilated_attention(
     num_branches = len(segment_lengths)
     if mode == "head_groups":
         validation.check_head_groups(num_heads, num_branches)
+    sharding = None
+    if process_group is not None:
+        from .distributed import make_sharding
+
+        sharding = make_sharding(
+            process_group, q, segment_lengths, dilation_rates, mode, is_causal, padding is not None, scale, dropout_p
+        )
+        blocks = sharding.plan.blocks
+    else:
+        blocks = make_plan(seq_len, num_heads, segment_lengths, dilation_rates, mode)
     cfg = EngineConfig(
-        blocks=tuple(make_plan(seq_len, num_heads, segment_lengths, dilation_rates, mode)),
+        blocks=tuple(blocks),
         unwritten_heads=tuple(partly_covered_heads(num_heads, dilation_rates, mode)),
         max_call_elements=MAX_CALL_ELEMENTS.get(q.device.type, MAX_CALL_ELEMENTS["default"]),
         is_causal=is_causal,
@@ -79,5 +96,5 @@ def dilated_attention(
         out_scale=1.0 if mode == "mixture" else 1.0 / num_branches,
         kernel=select_kernel(q.device, q.dtype, dropout_p),
     )
-    out, lse = DilatedAttentionFunction.apply(q, k, v, padding, cfg)
+    out, lse = DilatedAttentionFunction.apply(q, k, v, padding, cfg, sharding)
     return (out, lse) if return_lse else out

@@ -92,6 +92,24 @@ def _segment_groups(seq_len: int, w: int) -> list[tuple[int, int, int]]:
     return groups
 
 
+def branch_head_sets(num_heads: int, dilation_rates: Sequence[int], mode: str) -> list[list[tuple[int, slice]]]:
+    """Per branch, its ``(offset, heads)`` pairs: in ``mixture`` the heads of offset
+    ``o`` are ``o::r``; in ``head_groups`` branch ``i`` has its group at offset ``i % r_i``."""
+    if mode == "mixture":
+        return [[(o, slice(o, num_heads, r)) for o in range(min(r, num_heads))] for r in dilation_rates]
+    bounds = head_group_bounds(num_heads, len(dilation_rates))
+    return [[(i % r, slice(*bounds[i]))] for i, r in enumerate(dilation_rates)]
+
+
+def branch_order(dilation_rates: Sequence[int], mode: str) -> list[int]:
+    """The order branches run in: in ``mixture`` the first with ``r = 1`` goes first."""
+    order = list(range(len(dilation_rates)))
+    if mode == "mixture" and 1 in dilation_rates:
+        first = list(dilation_rates).index(1)
+        order = [first] + [i for i in order if i != first]
+    return order
+
+
 def make_plan(
     seq_len: int,
     num_heads: int,
@@ -99,7 +117,7 @@ def make_plan(
     dilation_rates: Sequence[int],
     mode: str,
 ) -> list[Block]:
-    """All blocks of one dilated attention, branch by branch.
+    """All blocks of one dilated attention on one process, branch by branch.
 
     ``mixture``: every branch on every head, head ``j`` with offset ``j % r``, so the
     heads of one offset form the slice ``offset::r``; the first branch with ``r = 1``
@@ -108,26 +126,111 @@ def make_plan(
     ``i`` only, offset ``i % r_i``; no two blocks share a cell. Blocks with no rows
     are dropped.
     """
-    if mode == "mixture":
-        head_sets = [
-            [(o, slice(o, num_heads, r)) for o in range(min(r, num_heads))] for r in dilation_rates
-        ]
-    else:
-        bounds = head_group_bounds(num_heads, len(segment_lengths))
-        head_sets = [[(i % r, slice(*bounds[i]))] for i, r in enumerate(dilation_rates)]
-    order = list(range(len(segment_lengths)))
-    if mode == "mixture" and 1 in dilation_rates:
-        first = dilation_rates.index(1)
-        order = [first] + [i for i in order if i != first]
-    blocks = []
+    return list(make_shard_plan([seq_len], 0, num_heads, segment_lengths, dilation_rates, mode, False).blocks)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows ``start, start + rate, ...`` (``count`` of them) of a shard, for ``heads``:
+    what one rank sends another for one branch, segment and head set."""
+
+    start: int
+    count: int
+    rate: int
+    heads: slice
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, N_local, H, ...)`` -> ``(B, count, h, ...)``; a mask ``(B, N_local)`` -> ``(B, count)``."""
+        rows = x[:, self.start : self.start + (self.count - 1) * self.rate + 1 : self.rate]
+        return rows if x.dim() == 2 else rows[:, :, self.heads]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One rank's part of a sequence-parallel dilated attention.
+
+    ``blocks``: local blocks (local coordinates), as :func:`make_plan` gives for one
+    process; ``sends``: per peer, the rows of this shard that peer's queries need;
+    ``receives``: per peer, that peer's rows and the local query block that attends to
+    them. A peer appears only if it shares a segment with this rank and needs (or
+    has) keys for it; lists are in the same order on both sides of each pair."""
+
+    blocks: tuple[Block, ...]
+    sends: tuple[tuple[int, tuple[Rows, ...]], ...]
+    receives: tuple[tuple[int, tuple[tuple[Rows, Block], ...]], ...]
+
+
+def _selected_rows(first: int, stop: int, segment_start: int, offset: int, rate: int) -> tuple[int, int]:
+    """For positions ``[first, stop)`` of a segment starting at ``segment_start``: the
+    offset, relative to ``first``, of the first selected one and how many are selected."""
+    local_offset = (offset - (first - segment_start)) % rate
+    return local_offset, max(0, -(-(stop - first - local_offset) // rate))
+
+
+def make_shard_plan(
+    shard_lengths: Sequence[int],
+    rank: int,
+    num_heads: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    mode: str,
+    is_causal: bool,
+) -> ShardPlan:
+    """The plan of rank ``rank`` when rank ``k`` holds the ``k``-th contiguous shard of
+    lengths ``shard_lengths``. Segments inside the shard become local blocks as on one
+    process; a segment that crosses shard boundaries contributes its local part as a
+    local block (square, causal if asked) plus one exchange with each peer holding
+    another part: a query attends to a peer's selected rows in full, and with
+    ``is_causal`` only to those of earlier ranks (later ranks' rows all follow it)."""
+    starts = [sum(shard_lengths[:k]) for k in range(len(shard_lengths))]
+    seq_len = sum(shard_lengths)
+    lo, hi = starts[rank], starts[rank] + shard_lengths[rank]
+    head_sets = branch_head_sets(num_heads, dilation_rates, mode)
+    order = branch_order(dilation_rates, mode)
+    blocks: list[Block] = []
+    sends: dict[int, list[Rows]] = {}
+    receives: dict[int, list[tuple[Rows, Block]]] = {}
     for i in order:
         w, r = segment_lengths[i], dilation_rates[i]
         fresh = mode == "head_groups" or i == order[0]
-        for start, nseg, seglen in _segment_groups(seq_len, w):
+        if hi == lo:
+            continue
+        first_seg, last_seg = lo // w, (hi - 1) // w
+        inner = [s for s in range(first_seg, last_seg + 1) if s * w >= lo and min((s + 1) * w, seq_len) <= hi]
+        if inner:
+            inner_start, inner_stop = inner[0] * w, min((inner[-1] + 1) * w, seq_len)
+            for start, nseg, seglen in _segment_groups(inner_stop - inner_start, w):
+                for offset, heads in head_sets[i]:
+                    if offset < seglen:
+                        blocks.append(Block(i, inner_start - lo + start, nseg, seglen, r, offset, heads, fresh))
+        for seg in (s for s in range(first_seg, last_seg + 1) if s not in inner):
+            seg_lo, seg_hi = seg * w, min((seg + 1) * w, seq_len)
+            mine = (max(seg_lo, lo), min(seg_hi, hi))
+            peers = [
+                k for k in range(len(shard_lengths))
+                if k != rank and shard_lengths[k] and starts[k] < seg_hi and starts[k] + shard_lengths[k] > seg_lo
+            ]
             for offset, heads in head_sets[i]:
-                if offset < seglen:
-                    blocks.append(Block(i, start, nseg, seglen, r, offset, heads, fresh))
-    return blocks
+                my_offset, my_rows = _selected_rows(*mine, seg_lo, offset, r)
+                if not my_rows:
+                    continue
+                block = Block(i, mine[0] - lo, 1, mine[1] - mine[0], r, my_offset, heads, fresh)
+                blocks.append(block)
+                for peer in peers:
+                    theirs = (max(seg_lo, starts[peer]), min(seg_hi, starts[peer] + shard_lengths[peer]))
+                    their_offset, their_rows = _selected_rows(*theirs, seg_lo, offset, r)
+                    if not their_rows:
+                        continue
+                    if not is_causal or rank < peer:
+                        sends.setdefault(peer, []).append(Rows(mine[0] - lo + my_offset, my_rows, r, heads))
+                    if not is_causal or peer < rank:
+                        rows = Rows(theirs[0] - starts[peer] + their_offset, their_rows, r, heads)
+                        receives.setdefault(peer, []).append((rows, block))
+    return ShardPlan(
+        tuple(blocks),
+        tuple((peer, tuple(rows)) for peer, rows in sorted(sends.items())),
+        tuple((peer, tuple(pairs)) for peer, pairs in sorted(receives.items())),
+    )
 
 
 def partly_covered_heads(num_heads: int, dilation_rates: Sequence[int], mode: str) -> list[slice]:

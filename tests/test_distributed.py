@@ -1,0 +1,193 @@
+"""Sequence parallelism on the gloo backend: several processes on this machine.
+
+Each worker computes the single-process result on the whole sequence (same seed on
+every rank), runs its shard through ``process_group=``, and compares its shard of
+the output, LSE and gradients; it also checks the bytes it moved against the
+analytic minimum counted from the reference patterns.
+"""
+
+import json
+import os
+import random
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dilated_attention import dilated_attention
+from dilated_attention.check import lse_error, max_relative_error
+from dilated_attention.distributed import traffic
+from dilated_attention.reference import branch_offsets, branch_pattern
+
+TIMEOUT_S = 240
+
+
+def shard_bounds(lengths):
+    starts = [sum(lengths[:k]) for k in range(len(lengths))]
+    return [(s, s + n) for s, n in zip(starts, lengths)]
+
+
+def minimum_bytes(case, lengths, sender, receiver, itemsize):
+    """Bytes of key and value rows ``receiver``'s queries need from ``sender``: per
+    branch, the (head, key) cells of the sender's shard that some query of the
+    receiver attends to (the pattern includes causality)."""
+    n, h = sum(lengths), case["heads"]
+    (s0, s1), (r0, r1) = shard_bounds(lengths)[sender], shard_bounds(lengths)[receiver]
+    cells = 0
+    segs, rates = case["segment_lengths"], case["dilation_rates"]
+    for w, r, offs in zip(segs, rates, branch_offsets(h, segs, rates, case["mode"])):
+        pattern = branch_pattern(n, w, r, offs, case["is_causal"])  # (H, N, N)
+        cells += int(pattern[:, r0:r1, s0:s1].any(dim=1).sum())
+    return 2 * case["batch"] * cells * case["head_dim"] * itemsize
+
+
+def run_case(case, rank, world, group):
+    gen = torch.Generator().manual_seed(case["seed"])
+    n = sum(case["lengths"])
+    shape = (case["batch"], n, case["heads"], case["head_dim"])
+    q, k, v, grad = (torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(4))
+    mask = (torch.rand(case["batch"], n, generator=gen) < 0.3) if case["masked"] else None
+    kwargs = dict(mode=case["mode"], is_causal=case["is_causal"], return_lse=True)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = dilated_attention(*full, case["segment_lengths"], case["dilation_rates"], key_padding_mask=mask, **kwargs)
+    full_grads = torch.autograd.grad(out, full, grad)
+
+    lo, hi = shard_bounds(case["lengths"])[rank]
+    local = [t[:, lo:hi].clone().requires_grad_() for t in (q, k, v)]
+    local_mask = None if mask is None else mask[:, lo:hi]
+    dout, dlse = dilated_attention(
+        *local, case["segment_lengths"], case["dilation_rates"], key_padding_mask=local_mask,
+        process_group=group, **kwargs,
+    )
+    grads = torch.autograd.grad(dout, local, grad[:, lo:hi])
+    errors = {
+        "out": max_relative_error(dout, out[:, lo:hi]),
+        "lse": lse_error(dlse, lse[:, lo:hi]),
+        "grads": max_relative_error(grads, [g[:, lo:hi] for g in full_grads]),
+    }
+    moved = vars(traffic())
+    if not case["masked"]:
+        expected_sent = sum(minimum_bytes(case, case["lengths"], rank, b, 8) for b in range(world) if b != rank)
+        expected_received = sum(minimum_bytes(case, case["lengths"], b, rank, 8) for b in range(world) if b != rank)
+        errors["traffic"] = moved != {
+            "forward_sent": expected_sent, "forward_received": expected_received,
+            "backward_sent": expected_received, "backward_received": expected_sent,
+        }
+    return errors, moved
+
+
+def worker(rank, world, init_file, cases, result_dir, scenario):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=20)
+    )
+    report = {}
+    try:
+        if scenario == "cases":
+            report["cases"] = [run_case(case, rank, world, dist.group.WORLD) for case in cases]
+        elif scenario == "mismatch":
+            x = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+            try:
+                dilated_attention(x, x, x, [4 + 4 * rank], [1], process_group=dist.group.WORLD)
+                report["error"] = None
+            except ValueError as exc:
+                report["error"] = str(exc)
+        elif scenario == "dead_peer":
+            if rank == 1:
+                os._exit(0)  # dies without taking part
+            x = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+            start = time.monotonic()
+            try:
+                dilated_attention(x, x, x, [16], [1], process_group=dist.group.WORLD)
+                report["error"] = None
+            except Exception as exc:  # noqa: BLE001 - any error is the point; a hang is not
+                report["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            report["seconds"] = time.monotonic() - start
+    finally:
+        with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
+            json.dump(report, f)
+    if scenario != "dead_peer":
+        dist.destroy_process_group()
+
+
+def launch(world, tmp_path, cases=(), scenario="cases"):
+    """Start ``world`` gloo processes; fail (never hang) if they take too long."""
+    ctx = mp.start_processes(
+        worker, args=(world, str(tmp_path / "init"), list(cases), str(tmp_path), scenario),
+        nprocs=world, join=False, start_method="spawn",
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{world} processes still running after {TIMEOUT_S} s")
+    except mp.ProcessExitedException:
+        if scenario != "dead_peer":
+            raise
+    reports = {}
+    for rank in range(world):
+        path = tmp_path / f"{rank}.json"
+        if path.exists():
+            reports[rank] = json.loads(path.read_text())
+    return reports
+
+
+def make_cases(world, count, seed):
+    """Random configurations on ``world`` shards: equal or unequal lengths (some
+    shorter than a segment, so segments span several shards), both modes, causal,
+    masks, ``w > N``, ``w % r != 0``."""
+    rng = random.Random(seed)
+    cases = []
+    for index in range(count):
+        lengths = [rng.randint(1, 14) for _ in range(world)] if index % 2 else [rng.randint(3, 10)] * world
+        branches = rng.randint(1, 3)
+        mode = rng.choice(["mixture", "head_groups"])
+        cases.append(dict(
+            lengths=lengths,
+            segment_lengths=[rng.randint(1, 2 * sum(lengths)) for _ in range(branches)],
+            dilation_rates=[rng.randint(1, 4) for _ in range(branches)],
+            mode=mode,
+            is_causal=rng.random() < 0.5,
+            masked=rng.random() < 0.3,
+            batch=rng.randint(1, 2),
+            heads=rng.randint(branches if mode == "head_groups" else 1, 4),
+            head_dim=rng.choice([2, 4]),
+            seed=rng.randrange(2**31),
+        ))
+    return cases
+
+
+def aligned_case(world):
+    """Every segment inside one shard: no attention data may cross processes."""
+    return dict(lengths=[8] * world, segment_lengths=[4, 8], dilation_rates=[1, 2], mode="mixture",
+                is_causal=False, masked=False, batch=1, heads=2, head_dim=4, seed=7)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_every_world_size_matches_one_process(world, tmp_path):
+    cases = [aligned_case(world)] + make_cases(world, 12 if world < 8 else 6, seed=world)
+    reports = launch(world, tmp_path, cases)
+    assert sorted(reports) == list(range(world))
+    for rank, report in reports.items():
+        for case, (errors, moved) in zip(cases, report["cases"]):
+            assert errors["out"] <= 1e-12, (rank, case, errors)
+            assert errors["lse"] <= 1e-12, (rank, case, errors)
+            assert errors["grads"] <= 1e-12, (rank, case, errors)
+            assert not errors.get("traffic"), (rank, case, moved)
+        aligned_moved = report["cases"][0][1]
+        assert aligned_moved == dict(forward_sent=0, forward_received=0, backward_sent=0, backward_received=0)
+
+
+def test_ranks_with_different_configurations_fail_loudly(tmp_path):
+    reports = launch(2, tmp_path, scenario="mismatch")
+    for rank in (0, 1):
+        assert "disagree on segment_lengths/dilation_rates" in reports[rank]["error"]
+
+
+def test_a_dead_peer_ends_the_others_with_an_error(tmp_path):
+    reports = launch(2, tmp_path, scenario="dead_peer")
+    assert reports[0]["error"] is not None
+    assert reports[0]["seconds"] < 60
