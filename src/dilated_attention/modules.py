@@ -43,8 +43,10 @@ class DilatedAttention(nn.Module):
         v: torch.Tensor,
         is_causal: bool = False,
         key_padding_mask: Optional[torch.Tensor] = None,
+        process_group=None,
     ) -> torch.Tensor:
-        """``q, k, v`` ``(B, N, H, D)`` -> ``(B, N, H, D)``."""
+        """``q, k, v`` ``(B, N, H, D)`` -> ``(B, N, H, D)``; with ``process_group``,
+        this rank's shard of the sequence (see :func:`dilated_attention.dilated_attention`)."""
         return dilated_attention(
             q,
             k,
@@ -56,6 +58,7 @@ class DilatedAttention(nn.Module):
             softmax_scale=self.softmax_scale,
             dropout_p=self.dropout if self.training else 0.0,
             key_padding_mask=key_padding_mask,
+            process_group=process_group,
         )
 
     def extra_repr(self) -> str:
@@ -139,9 +142,16 @@ class MultiheadDilatedAttention(nn.Module):
         key_padding_mask: Optional[torch.Tensor] = None,
         need_weights: bool = False,
         is_causal: bool = False,
+        process_group=None,
     ) -> tuple[torch.Tensor, None]:
         """``query`` (and ``key``, ``value``, which default to it) ``(B, N, embed_dim)``
-        -> ``(output (B, N, embed_dim), None)``, like ``nn.MultiheadAttention``."""
+        -> ``(output (B, N, embed_dim), None)``, like ``nn.MultiheadAttention``.
+
+        With ``process_group`` the inputs are this rank's shard of the sequence; the
+        projections and the LayerNorm act per token, so the output is this rank's
+        shard of the single-process output. Parameter gradients are this shard's
+        part: sum them over ranks (as DistributedDataParallel does) for the
+        single-process gradients."""
         if need_weights:
             raise ValueError(
                 "need_weights=True is not supported: dilated attention never forms the "
@@ -162,7 +172,9 @@ class MultiheadDilatedAttention(nn.Module):
         q = self.q_proj(query).unflatten(-1, heads)
         k = self.k_proj(key).unflatten(-1, heads)
         v = self.v_proj(value).unflatten(-1, heads)
-        x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask).flatten(-2)
+        x = self.attention(
+            q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, process_group=process_group
+        ).flatten(-2)
         if self.norm is not None:
             x = self.norm(x)
         return self.out_proj(x), None
