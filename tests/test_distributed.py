@@ -224,3 +224,21 @@ def test_a_dead_peer_ends_the_others_with_an_error(tmp_path):
     reports = launch(2, tmp_path, scenario="dead_peer")
     assert reports[0]["error"] is not None
     assert reports[0]["seconds"] < 60
+
+
+def test_torchrun_example_runs_and_checks_itself(tmp_path):
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "distributed.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", example,
+         "--seq-len", "301", "--segment-lengths", "32", "64", "--dilation-rates", "1", "2", "--heads", "4",
+         "--head-dim", "8", "--causal", "--json", str(tmp_path / "run.json")],
+        capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    ranks = json.loads((tmp_path / "run.json").read_text())["ranks"]
+    assert [r["shard"] for r in ranks] == [101, 100, 100]
+    assert all(r["out_error"] <= 1e-5 and r["grad_error"] <= 1e-5 for r in ranks)
+    assert ranks[0]["forward_received"] == 0 and ranks[0]["forward_sent"] > 0  # causal: rank 0 needs no keys
