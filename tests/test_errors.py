@@ -81,3 +81,8 @@ def test_module_errors():
         mha(torch.randn(2, 8, 16))
     with pytest.raises(ValueError, match="k must have the shape of q"):
         mha(x, torch.randn(2, 9, 32))
+
+
+def test_process_group_without_torch_distributed_initialized():
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        dilated_attention(q0, k0, v0, [4], [1], process_group=object())

@@ -194,6 +194,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def make_sharding(group, q, segment_lengths, dilation_rates, mode, is_causal, masked, scale, dropout_p) -> Sharding:
     """Check the ranks agree, and plan this rank's part."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "process_group was given but torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group first, or pass process_group=None for one process"
+        )
     lengths = agree_on_layout(group, q, segment_lengths, dilation_rates, mode, is_causal, masked, scale, dropout_p)
     rank = dist.get_rank(group)
     plan = make_shard_plan(lengths, rank, q.shape[2], segment_lengths, dilation_rates, mode, is_causal)
