@@ -31,21 +31,18 @@ def shard_bounds(lengths):
 
 
 def minimum_bytes(case, lengths, sender, receiver, itemsize):
-    """Bytes ``receiver``'s queries need from ``sender``: per branch, the key and
-    value rows of the (head, key) cells of the sender's shard that some query of the
-    receiver attends to (the pattern includes causality), and with a padding mask
-    one mask value per needed key row of each set of heads sharing an offset."""
+    """Bytes ``receiver``'s queries need from ``sender``: the key and value rows of
+    the (head, key) cells of the sender's shard that some query of the receiver
+    attends to in some branch (the patterns include causality), each once, and with
+    a padding mask one mask value per distinct key row."""
     n, h = sum(lengths), case["heads"]
     (s0, s1), (r0, r1) = shard_bounds(lengths)[sender], shard_bounds(lengths)[receiver]
-    cells = mask_rows = 0
+    needed = torch.zeros(h, s1 - s0, dtype=torch.bool)  # (head, key) cells, over all branches
     segs, rates = case["segment_lengths"], case["dilation_rates"]
     for w, r, offs in zip(segs, rates, branch_offsets(h, segs, rates, case["mode"])):
-        needed = branch_pattern(n, w, r, offs, case["is_causal"])[:, r0:r1, s0:s1].any(dim=1)  # (H, keys)
-        cells += int(needed.sum())
-        first_head_of_offset = {int(o): head for head, o in reversed(list(enumerate(offs))) if o >= 0}
-        mask_rows += sum(int(needed[head].sum()) for head in first_head_of_offset.values())
-    per_row = case["batch"] * itemsize
-    return per_row * (2 * cells * case["head_dim"] + (mask_rows if case["masked"] else 0))
+        needed |= branch_pattern(n, w, r, offs, case["is_causal"])[:, r0:r1, s0:s1].any(dim=1)
+    mask_rows = int(needed.any(dim=0).sum()) if case["masked"] else 0
+    return case["batch"] * itemsize * (2 * int(needed.sum()) * case["head_dim"] + mask_rows)
 
 
 def run_case(case, rank, world, group):

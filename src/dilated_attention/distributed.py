@@ -13,7 +13,6 @@ and backward.
 
 from __future__ import annotations
 
-import math
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .engine import RemoteKeys, _to_kernel
+from .engine import RemoteKeys
 from .plan import ShardPlan, make_shard_plan
 
 _DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -107,22 +106,22 @@ class Sharding:
 
     def send_keys(self, k: torch.Tensor, v: torch.Tensor, padding: Optional[torch.Tensor]):
         """Post the exchange of key/value rows; return a callable that waits for it and
-        gives the :class:`RemoteKeys` of this rank's queries."""
-        batch, _, _, dim = k.shape
+        gives the :class:`RemoteKeys` of this rank's queries.
+
+        A message carries, per head, the union of the rows all branches need from that
+        peer (each row once), then, with a mask, one mask value per distinct row."""
         outgoing = {}
         for peer, rows_list in self.plan.sends:
-            parts = []
-            for rows in rows_list:
-                parts += [rows.select(k).reshape(-1), rows.select(v).reshape(-1)]
-                if self.masked:
-                    parts.append(rows.select(padding).to(k.dtype).reshape(-1))
+            unions = _head_unions(rows_list, k.device)
+            parts = [t[:, rows, head].reshape(-1) for t in (k, v) for head, rows in unions.items()]
+            if self.masked:
+                parts.append(padding[:, _all_rows(unions)].to(k.dtype).reshape(-1))
             outgoing[peer] = torch.cat(parts)
-        sizes = {}
-        for peer, pairs in self.plan.receives:
-            sizes[peer] = sum(
-                batch * rows.count * (2 * _heads(rows) * dim + (1 if self.masked else 0)) for rows, _ in pairs
-            )
-        incoming = {peer: k.new_empty(size) for peer, size in sizes.items()}
+        unions_from = {peer: _head_unions([rows for rows, _ in pairs], k.device) for peer, pairs in self.plan.receives}
+        incoming = {}
+        for peer, unions in unions_from.items():
+            size = 2 * self.batch * self.dim * sum(len(rows) for rows in unions.values())
+            incoming[peer] = k.new_empty(size + (self.batch * len(_all_rows(unions)) if self.masked else 0))
         works = self._exchange(outgoing, incoming)
         _LAST_TRAFFIC.forward_sent = sum(_nbytes(t) for t in outgoing.values())
         _LAST_TRAFFIC.forward_received = sum(_nbytes(t) for t in incoming.values())
@@ -132,60 +131,92 @@ class Sharding:
             for work in works:
                 work.wait()
             for peer, pairs in self.plan.receives:
-                buf, at = incoming[peer], 0
-                for rows, block in pairs:
-                    shape = (batch, rows.count, _heads(rows), dim)
-                    kv = []
-                    for _ in range(2):
-                        n = math.prod(shape)
-                        kv.append(buf[at : at + n].view(shape))
+                unions, buf, at = unions_from[peer], incoming[peer], 0
+                per_head = []
+                for _ in range(2):  # keys, then values: head -> (B, rows, D)
+                    tensors = {}
+                    for head, rows in unions.items():
+                        n = self.batch * len(rows) * self.dim
+                        tensors[head] = buf[at : at + n].view(self.batch, len(rows), self.dim)
                         at += n
-                    pad = None
-                    if self.masked:
-                        pad = buf[at : at + batch * rows.count].view(batch, rows.count) != 0
-                        at += batch * rows.count
-                    self.pieces.append(RemoteKeys(block, _to_kernel(kv[0][:, None]), _to_kernel(kv[1][:, None]), pad))
+                    per_head.append(tensors)
+                mask_rows = _all_rows(unions)
+                mask = buf[at:].view(self.batch, len(mask_rows)) != 0 if self.masked else None
+                for rows, block in pairs:
+                    wanted = _row_index(rows, k.device)
+                    k_rows, v_rows = (
+                        torch.stack([t[h][:, torch.searchsorted(unions[h], wanted)] for h in _head_list(rows)], 1)
+                        for t in per_head
+                    )
+                    pad = None if mask is None else mask[:, torch.searchsorted(mask_rows, wanted)]
+                    self.pieces.append(RemoteKeys(block, k_rows, v_rows, pad))
             return self.pieces
 
         return finish
 
     def send_key_grads(self, remote_grads):
-        """Post the return of the received rows' gradients to their owners; return a
-        callable that waits and gives ``[(rows, dk, dv), ...]`` for this rank's rows."""
+        """Post the return of the received rows' gradients (summed per distinct row) to
+        their owners; return a callable that waits and adds this rank's into ``dk, dv``."""
         outgoing, index = {}, 0
         for peer, pairs in self.plan.receives:
-            parts = []
-            for _ in pairs:
-                dk, dv = remote_grads[index]
+            unions = _head_unions([rows for rows, _ in pairs], self.device)
+            sums = [
+                {h: torch.zeros(self.batch, len(r), self.dim, dtype=torch.float32 if self.dtype != torch.float64
+                                else self.dtype, device=self.device) for h, r in unions.items()}
+                for _ in range(2)
+            ]
+            for rows, _ in pairs:
+                wanted = _row_index(rows, self.device)
+                for grad, acc in zip(remote_grads[index], sums):  # grad: (B, h, count, D)
+                    for slot, h in enumerate(_head_list(rows)):
+                        acc[h].index_add_(1, torch.searchsorted(unions[h], wanted), grad[:, slot].to(acc[h].dtype))
                 index += 1
-                parts += [t.transpose(1, 2).to(self.dtype).reshape(-1) for t in (dk, dv)]
-            outgoing[peer] = torch.cat(parts)
-        incoming = {}
-        for peer, rows_list in self.plan.sends:
-            size = sum(2 * self.batch * rows.count * _heads(rows) * self.dim for rows in rows_list)
-            incoming[peer] = torch.empty(size, dtype=self.dtype, device=self.device)
+            outgoing[peer] = torch.cat([t.to(self.dtype).reshape(-1) for acc in sums for t in acc.values()])
+        unions_to = {peer: _head_unions(rows_list, self.device) for peer, rows_list in self.plan.sends}
+        incoming = {
+            peer: torch.empty(2 * self.batch * self.dim * sum(len(r) for r in unions.values()),
+                              dtype=self.dtype, device=self.device)
+            for peer, unions in unions_to.items()
+        }
         works = self._exchange(outgoing, incoming)
         _LAST_TRAFFIC.backward_sent = sum(_nbytes(t) for t in outgoing.values())
         _LAST_TRAFFIC.backward_received = sum(_nbytes(t) for t in incoming.values())
 
-        def finish():
+        def finish(dk: torch.Tensor, dv: torch.Tensor) -> None:
             for work in works:
                 work.wait()
-            result = []
-            for peer, rows_list in self.plan.sends:
+            for peer, unions in unions_to.items():
                 buf, at = incoming[peer], 0
-                for rows in rows_list:
-                    shape = (self.batch, rows.count, _heads(rows), self.dim)
-                    n = math.prod(shape)
-                    result.append((rows, buf[at : at + n].view(shape), buf[at + n : at + 2 * n].view(shape)))
-                    at += 2 * n
-            return result
+                for grad in (dk, dv):
+                    for head, rows in unions.items():
+                        n = self.batch * len(rows) * self.dim
+                        grad[:, :, head].index_add_(1, rows, buf[at : at + n].view(self.batch, len(rows), self.dim).to(grad.dtype))
+                        at += n
 
         return finish
 
 
-def _heads(rows) -> int:
-    return len(range(rows.heads.start, rows.heads.stop, rows.heads.step or 1))
+def _head_list(rows) -> list[int]:
+    return list(range(rows.heads.start, rows.heads.stop, rows.heads.step or 1))
+
+
+def _row_index(rows, device) -> torch.Tensor:
+    return torch.arange(rows.start, rows.start + rows.count * rows.rate, rows.rate, device=device)
+
+
+def _head_unions(entries, device) -> dict[int, torch.Tensor]:
+    """Per head, the sorted distinct local rows that ``entries`` (:class:`Rows`) cover."""
+    per_head: dict[int, list[torch.Tensor]] = {}
+    for rows in entries:
+        index = _row_index(rows, device)
+        for head in _head_list(rows):
+            per_head.setdefault(head, []).append(index)
+    return {head: torch.unique(torch.cat(parts)) for head, parts in sorted(per_head.items())}
+
+
+def _all_rows(unions: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The sorted distinct rows over all heads (one mask value each)."""
+    return torch.unique(torch.cat(list(unions.values())))
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -260,8 +260,6 @@ class DilatedAttentionFunction(torch.autograd.Function):
             send_remote=(lambda g: pending.append(sharding.send_key_grads(g))) if sharding is not None else None,
         )
         for finish in pending:
-            for rows, dk, dv in finish():
-                rows.select(grads[1]).add_(dk)
-                rows.select(grads[2]).add_(dv)
+            finish(grads[1], grads[2])
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
         return dq, dk, dv, None, None, None
