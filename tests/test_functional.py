@@ -9,7 +9,6 @@ from helpers import call_budget, configs, forced_kernel, random_inputs, split_co
 from hypothesis import given
 from hypothesis import strategies as st
 
-import dilated_attention.functional as functional
 from dilated_attention import dilated_attention, reference_dilated_attention
 from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
 from dilated_attention.kernels import MathKernel
@@ -178,3 +177,16 @@ def test_cuda_kernel_calls_fit_the_op_schemas(masked):
         grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
     assert out.shape == q.shape and lse.shape == (2, 37, 5) and lse.dtype == torch.float32
     assert all(g.shape == q.shape for g in grads)
+
+
+def test_cuda_kernel_non_square_calls_fit_the_op_schemas():
+    """Queries attending to another rank's keys: Lq != Lk, with a key padding bias."""
+    from dilated_attention.kernels import CudaEfficientKernel
+
+    q = torch.empty(3, 2, 5, 12, device="meta")
+    k = torch.empty(3, 2, 9, 12, device="meta")
+    bias = torch.empty(3, 1, 1, 9, device="meta")
+    out, lse = CudaEfficientKernel.forward(q, k, k, bias, False, 0.5)
+    assert out.shape == q.shape and lse.shape == (3, 2, 5)
+    dq, dk, dv = CudaEfficientKernel.backward(out, q, k, k, out, lse, bias, False, 0.5)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
 import platform
 import statistics

@@ -9,10 +9,11 @@ Backward: the merged output is one softmax over the union of the keys each query
 sees, so each block's kernel backward, given the *merged* output and LSE, yields
 the exact gradient of the whole function; the block gradients are added into
 ``dq, dk, dv`` in place. Only the inputs, the mask, the output and the LSE are
-saved.
+saved (and, across processes, the rows received from other ranks: see
+:class:`RemoteKeys`, merged after the local blocks).
 
 ``head_groups`` uses the same path: its blocks never overlap, so each result is
-written once, with the final ``1 / G`` applied in the same pass.
+written once, with the final ``1 / G`` applied as it is written.
 """
 
 from __future__ import annotations

@@ -110,15 +110,15 @@ class CpuFlashKernel:
         )
 
 
-def _cuda_bias(bias, heads, length):
-    """Expand a ``(batch, 1, 1, L)`` bias to ``(batch, heads, L, L)`` with the row start
-    aligned to 16 elements, as the memory-efficient kernel requires."""
+def _cuda_bias(bias, heads, q_len, k_len):
+    """Expand a ``(batch, 1, 1, Lk)`` bias to ``(batch, heads, Lq, Lk)`` with the row
+    start aligned to 16 elements, as the memory-efficient kernel requires."""
     if bias is None:
         return None
-    padded = -(-length // 16) * 16
+    padded = -(-k_len // 16) * 16
     storage = bias.new_zeros(bias.shape[0], 1, 1, padded)
-    storage[..., :length] = bias
-    return storage[..., :length].expand(bias.shape[0], heads, length, length)
+    storage[..., :k_len] = bias
+    return storage[..., :k_len].expand(bias.shape[0], heads, q_len, k_len)
 
 
 def _pad_head_dim(*tensors):
@@ -145,7 +145,7 @@ class CudaEfficientKernel:
         dim, length = q.shape[-1], q.shape[2]
         qp, kp, vp = _pad_head_dim(q, k, v)
         out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-            qp, kp, vp, _cuda_bias(bias, q.shape[1], length), True, 0.0, is_causal, scale=scale
+            qp, kp, vp, _cuda_bias(bias, q.shape[1], length, k.shape[2]), True, 0.0, is_causal, scale=scale
         )
         return out[..., :dim], lse[..., :length]
 
@@ -156,7 +156,7 @@ class CudaEfficientKernel:
         lse_padded[..., :length] = lse
         no_rng = torch.empty((), dtype=torch.int64)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            *_pad_head_dim(dout, q, k, v), _cuda_bias(bias, q.shape[1], length), *_pad_head_dim(out),
+            *_pad_head_dim(dout, q, k, v), _cuda_bias(bias, q.shape[1], length, k.shape[2]), *_pad_head_dim(out),
             lse_padded, no_rng, no_rng, 0.0, [True, True, True, False], is_causal, scale=scale,
         )
         return dq[..., :dim], dk[..., :dim], dv[..., :dim]
