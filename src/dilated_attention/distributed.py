@@ -99,6 +99,13 @@ class Sharding:
     device: torch.device
     pieces: list = field(default_factory=list)
 
+    def __post_init__(self):
+        # Per peer and head, the distinct rows that go to it / come from it.
+        self.unions_to = {peer: _head_unions(rows, self.device) for peer, rows in self.plan.sends}
+        self.unions_from = {
+            peer: _head_unions([rows for rows, _ in pairs], self.device) for peer, pairs in self.plan.receives
+        }
+
     def _exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor]):
         ops = [dist.P2POp(dist.isend, buf, _global(self.group, peer), self.group) for peer, buf in outgoing.items()]
         ops += [dist.P2POp(dist.irecv, buf, _global(self.group, peer), self.group) for peer, buf in incoming.items()]
@@ -111,15 +118,13 @@ class Sharding:
         A message carries, per head, the union of the rows all branches need from that
         peer (each row once), then, with a mask, one mask value per distinct row."""
         outgoing = {}
-        for peer, rows_list in self.plan.sends:
-            unions = _head_unions(rows_list, k.device)
+        for peer, unions in self.unions_to.items():
             parts = [t[:, rows, head].reshape(-1) for t in (k, v) for head, rows in unions.items()]
             if self.masked:
                 parts.append(padding[:, _all_rows(unions)].to(k.dtype).reshape(-1))
             outgoing[peer] = torch.cat(parts)
-        unions_from = {peer: _head_unions([rows for rows, _ in pairs], k.device) for peer, pairs in self.plan.receives}
         incoming = {}
-        for peer, unions in unions_from.items():
+        for peer, unions in self.unions_from.items():
             size = 2 * self.batch * self.dim * sum(len(rows) for rows in unions.values())
             incoming[peer] = k.new_empty(size + (self.batch * len(_all_rows(unions)) if self.masked else 0))
         works = self._exchange(outgoing, incoming)
@@ -131,7 +136,7 @@ class Sharding:
             for work in works:
                 work.wait()
             for peer, pairs in self.plan.receives:
-                unions, buf, at = unions_from[peer], incoming[peer], 0
+                unions, buf, at = self.unions_from[peer], incoming[peer], 0
                 per_head = []
                 for _ in range(2):  # keys, then values: head -> (B, rows, D)
                     tensors = {}
@@ -143,9 +148,9 @@ class Sharding:
                 mask_rows = _all_rows(unions)
                 mask = buf[at:].view(self.batch, len(mask_rows)) != 0 if self.masked else None
                 for rows, block in pairs:
-                    wanted = _row_index(rows, k.device)
+                    wanted = rows.positions(k.device)
                     k_rows, v_rows = (
-                        torch.stack([t[h][:, torch.searchsorted(unions[h], wanted)] for h in _head_list(rows)], 1)
+                        torch.stack([t[h][:, torch.searchsorted(unions[h], wanted)] for h in rows.head_indices], 1)
                         for t in per_head
                     )
                     pad = None if mask is None else mask[:, torch.searchsorted(mask_rows, wanted)]
@@ -159,24 +164,23 @@ class Sharding:
         their owners; return a callable that waits and adds this rank's into ``dk, dv``."""
         outgoing, index = {}, 0
         for peer, pairs in self.plan.receives:
-            unions = _head_unions([rows for rows, _ in pairs], self.device)
+            unions = self.unions_from[peer]
             sums = [
                 {h: torch.zeros(self.batch, len(r), self.dim, dtype=torch.float32 if self.dtype != torch.float64
                                 else self.dtype, device=self.device) for h, r in unions.items()}
                 for _ in range(2)
             ]
             for rows, _ in pairs:
-                wanted = _row_index(rows, self.device)
+                wanted = rows.positions(self.device)
                 for grad, acc in zip(remote_grads[index], sums):  # grad: (B, h, count, D)
-                    for slot, h in enumerate(_head_list(rows)):
+                    for slot, h in enumerate(rows.head_indices):
                         acc[h].index_add_(1, torch.searchsorted(unions[h], wanted), grad[:, slot].to(acc[h].dtype))
                 index += 1
             outgoing[peer] = torch.cat([t.to(self.dtype).reshape(-1) for acc in sums for t in acc.values()])
-        unions_to = {peer: _head_unions(rows_list, self.device) for peer, rows_list in self.plan.sends}
         incoming = {
             peer: torch.empty(2 * self.batch * self.dim * sum(len(r) for r in unions.values()),
                               dtype=self.dtype, device=self.device)
-            for peer, unions in unions_to.items()
+            for peer, unions in self.unions_to.items()
         }
         works = self._exchange(outgoing, incoming)
         _LAST_TRAFFIC.backward_sent = sum(_nbytes(t) for t in outgoing.values())
@@ -185,7 +189,7 @@ class Sharding:
         def finish(dk: torch.Tensor, dv: torch.Tensor) -> None:
             for work in works:
                 work.wait()
-            for peer, unions in unions_to.items():
+            for peer, unions in self.unions_to.items():
                 buf, at = incoming[peer], 0
                 for grad in (dk, dv):
                     for head, rows in unions.items():
@@ -196,20 +200,12 @@ class Sharding:
         return finish
 
 
-def _head_list(rows) -> list[int]:
-    return list(range(rows.heads.start, rows.heads.stop, rows.heads.step or 1))
-
-
-def _row_index(rows, device) -> torch.Tensor:
-    return torch.arange(rows.start, rows.start + rows.count * rows.rate, rows.rate, device=device)
-
-
 def _head_unions(entries, device) -> dict[int, torch.Tensor]:
     """Per head, the sorted distinct local rows that ``entries`` (:class:`Rows`) cover."""
     per_head: dict[int, list[torch.Tensor]] = {}
     for rows in entries:
-        index = _row_index(rows, device)
-        for head in _head_list(rows):
+        index = rows.positions(device)
+        for head in rows.head_indices:
             per_head.setdefault(head, []).append(index)
     return {head: torch.unique(torch.cat(parts)) for head, parts in sorted(per_head.items())}
 

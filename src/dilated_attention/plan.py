@@ -139,10 +139,13 @@ class Rows:
     rate: int
     heads: slice
 
-    def select(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, N_local, H, ...)`` -> ``(B, count, h, ...)``; a mask ``(B, N_local)`` -> ``(B, count)``."""
-        rows = x[:, self.start : self.start + (self.count - 1) * self.rate + 1 : self.rate]
-        return rows if x.dim() == 2 else rows[:, :, self.heads]
+    def positions(self, device=None) -> torch.Tensor:
+        """The local row indices, ``(count,)`` int64."""
+        return torch.arange(self.start, self.start + self.count * self.rate, self.rate, device=device)
+
+    @property
+    def head_indices(self) -> list[int]:
+        return list(range(self.heads.start, self.heads.stop, self.heads.step or 1))
 
 
 @dataclass(frozen=True)
