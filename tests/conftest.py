@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "default",
-    max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "60")),
+    max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "150")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
