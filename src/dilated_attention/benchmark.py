@@ -61,27 +61,34 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _seconds(call: Callable[[], object], device: torch.device) -> float:
+    """Wall-clock seconds of one ``call()``, the device synchronised on both sides."""
+    _synchronize(device)
+    start = time.perf_counter()
+    call()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def _matmul(device: torch.device, dtype: torch.dtype, size: int) -> Callable[[], object]:
+    """A ``size x size`` product to time, and its operands."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return lambda: a @ b
+
+
 def time_against_matmul(fn: Callable[[], object], device: torch.device, dtype, repeats: int, size: int = 4096):
     """Run ``fn`` and a ``size x size`` matmul alternately ``repeats`` times (after one
     warm-up of each) and return the median seconds of ``fn`` and the median of
     ``(1 / t_fn) / (matmul GFLOP/s)`` pairs, so that drifts of the machine's speed
     between measurements cancel. Multiply that by ``fn``'s GFLOP to get the ratio."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-
-    def timed(call):
-        _synchronize(device)
-        start = time.perf_counter()
-        call()
-        _synchronize(device)
-        return time.perf_counter() - start
-
-    timed(fn)
-    timed(lambda: a @ b)
+    matmul = _matmul(device, dtype, size)
+    _seconds(fn, device)
+    _seconds(matmul, device)
     fn_times, per_matmul = [], []
     for _ in range(repeats):
-        t_mm = timed(lambda: a @ b)
-        t_fn = timed(fn)
+        t_mm = _seconds(matmul, device)
+        t_fn = _seconds(fn, device)
         fn_times.append(t_fn)
         per_matmul.append((1.0 / t_fn) / (2 * size**3 / t_mm / 1e9))
     return statistics.median(fn_times), statistics.median(per_matmul)
@@ -89,16 +96,9 @@ def time_against_matmul(fn: Callable[[], object], device: torch.device, dtype, r
 
 def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 4096, repeats: int = 5) -> float:
     """GFLOP/s of one large square ``size x size`` product (median of ``repeats``)."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        _synchronize(device)
-        start = time.perf_counter()
-        a @ b
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
+    matmul = _matmul(device, dtype, size)
+    _seconds(matmul, device)
+    times = [_seconds(matmul, device) for _ in range(repeats)]
     return 2 * size**3 / statistics.median(times) / 1e9
 
 

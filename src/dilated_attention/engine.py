@@ -179,7 +179,8 @@ def engine_forward(q, k, v, padding, cfg: EngineConfig, seed: int, remote: Calla
         bias, empty = _key_mask(piece.padding, q.dtype, False)
         o, l = cfg.kernel.forward(qb, piece.k, piece.v, bias, False, cfg.scale, cfg.dropout_p, seed + index)
         o, l = _sanitize(o, l, empty)
-        _merge_into(piece.query.select(out), piece.query.select(lse), _from_kernel(o, batch), _from_kernel(l, batch), cfg.out_scale)
+        o, l = _from_kernel(o, batch), _from_kernel(l, batch)
+        _merge_into(piece.query.select(out), piece.query.select(lse), o, l, cfg.out_scale)
     return out.to(q.dtype), lse
 
 
