@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from dilated_attention.files import atomic_write
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, "..", "examples", "distributed.py")
 
@@ -59,9 +61,9 @@ def main() -> int:
     print("\n".join(lines))
     stem = os.path.join(HERE, "results", "distributed-cpu")
     os.makedirs(os.path.dirname(stem), exist_ok=True)
-    with open(stem + ".json", "w") as f:
+    with atomic_write(stem + ".json") as f:
         json.dump(runs, f, indent=1)
-    with open(stem + ".txt", "w") as f:
+    with atomic_write(stem + ".txt") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {stem}.json and {stem}.txt")
     return 0

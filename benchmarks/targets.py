@@ -17,6 +17,7 @@ import sys
 import torch
 
 from dilated_attention import benchmark
+from dilated_attention.files import atomic_write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -79,9 +80,9 @@ def main() -> int:
 
     out = os.path.join(HERE, "results", f"targets-{args.device}-float32.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out[: -len(".json")] + ".txt", "w") as f:
+    with atomic_write(out[: -len(".json")] + ".txt") as f:
         f.write("\n".join(lines) + "\n")
-    with open(out, "w") as f:
+    with atomic_write(out) as f:
         json.dump(
             {
                 "machine": speed.machine,

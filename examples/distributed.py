@@ -3,10 +3,13 @@
     torchrun --nproc_per_node 4 examples/distributed.py                   # CPU, gloo
     torchrun --nproc_per_node 8 examples/distributed.py --backend nccl   # one GPU per process
 
-Every rank runs a forward and backward on its shard, prints its time, the peak
-memory the step added and the bytes it moved, then (with --check, the default)
-checks its shard of the output and of the gradients against the single-process
-result on the whole sequence (which this check, and only it, computes on every rank).
+Every rank runs a forward and backward on its shard and rank 0 prints each rank's
+time, the peak memory its step added and the bytes it moved. Then, unless --no-check,
+every rank compares its shard of the output and of the gradients with the
+single-process result on the whole sequence (which this check, and only it, computes
+on every rank), and rank 0 ends with a line "PASS: ..." or "FAIL: ..." naming the
+worst error over all ranks and the tolerance (dilated_attention.check's
+ONE_PROCESS_TOLERANCES for the dtype). The exit status is 1 on FAIL.
 """
 
 import argparse
@@ -19,24 +22,33 @@ import torch.distributed as dist
 
 from dilated_attention import dilated_attention
 from dilated_attention.benchmark import PeakMemory
-from dilated_attention.check import max_relative_error
+from dilated_attention.check import ONE_PROCESS_TOLERANCES, max_relative_error
 from dilated_attention.distributed import traffic
+from dilated_attention.files import atomic_write
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--segment-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--mode", choices=("mixture", "head_groups"), default="mixture")
-    parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo")
-    parser.add_argument("--no-check", action="store_true", help="skip the comparison with one process")
-    parser.add_argument("--json", help="rank 0 writes every rank's figures here")
+    parser.add_argument("--seq-len", type=int, default=16384, help="whole sequence length N (default: 16384)")
+    parser.add_argument("--batch", type=int, default=1, help="batch size B (default: 1)")
+    parser.add_argument("--heads", type=int, default=8, help="number of heads H (default: 8)")
+    parser.add_argument("--head-dim", type=int, default=64, help="size D of each head (default: 64)")
+    parser.add_argument("--segment-lengths", type=int, nargs="+", default=[2048, 4096, 8192],
+                        help="segment length w of each branch (default: 2048 4096 8192)")
+    parser.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4],
+                        help="dilation rate r of each branch (default: 1 2 4)")
+    parser.add_argument("--mode", choices=("mixture", "head_groups"), default="mixture",
+                        help="how the branches share the heads (default: mixture)")
+    parser.add_argument("--causal", action="store_true",
+                        help="queries attend only to keys at or before them (default: off)")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32",
+                        help="dtype of q, k, v (default: float32)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo",
+                        help="torch.distributed backend; nccl puts each process on its own GPU "
+                        "(default: nccl where CUDA is available, else gloo)")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the comparison with one process (default: off, so the check runs)")
+    parser.add_argument("--json", help="rank 0 writes every rank's figures to this file (default: none)")
     return parser.parse_args()
 
 
@@ -44,6 +56,21 @@ def shard_lengths(seq_len: int, world: int) -> list[int]:
     """Near-equal contiguous shards; the first ``seq_len % world`` one longer."""
     base, extra = divmod(seq_len, world)
     return [base + (1 if rank < extra else 0) for rank in range(world)]
+
+
+def verdict(table: list[dict], dtype: torch.dtype, check: bool) -> tuple[bool, str]:
+    """``(passed, final line)`` from every rank's figures: the worst output or gradient
+    error against the tolerance of ``dtype`` (or a pass without a check)."""
+    if not check:
+        return True, "PASS: ran without the comparison with one process (--no-check)"
+    worst = max(max(f["out_error"], f["grad_error"]) for f in table)
+    tolerance = ONE_PROCESS_TOLERANCES[dtype]
+    passed = worst <= tolerance
+    relation = "<=" if passed else ">"
+    return passed, (
+        f"{'PASS' if passed else 'FAIL'}: worst error {worst:.2g} {relation} tolerance {tolerance:g} "
+        f"({str(dtype).removeprefix('torch.')}, every rank against one process)"
+    )
 
 
 def main():
@@ -99,6 +126,7 @@ def main():
 
     table = [None] * world
     dist.all_gather_object(table, figures)
+    passed, line = verdict(table, dtype, check=not args.no_check)
     if rank == 0:
         print(
             f"N={args.seq_len} over {world} processes ({args.backend}), {args.dtype}, {args.mode}"
@@ -115,11 +143,11 @@ def main():
                 f"{f.get('out_error', float('nan')):>9.1e} {f.get('grad_error', float('nan')):>9.1e}"
             )
         if args.json:
-            with open(args.json, "w") as fh:
+            with atomic_write(args.json) as fh:
                 json.dump({"args": vars(args), "ranks": table}, fh, indent=1)
-    failed = not args.no_check and max(figures["out_error"], figures["grad_error"]) > (1e-5 if dtype == torch.float32 else 1e-12 if dtype == torch.float64 else 3e-2)
+        print(line)
     dist.destroy_process_group()
-    raise SystemExit(1 if failed else 0)
+    raise SystemExit(0 if passed else 1)
 
 
 if __name__ == "__main__":

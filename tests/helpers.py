@@ -9,20 +9,46 @@ import dilated_attention.functional as functional
 from dilated_attention.plan import MODES
 
 
-def random_inputs(seed, batch, seq_len, heads, head_dim, dtype=torch.float64, masked=False):
-    """Fresh standard-normal ``q, k, v`` (requiring grad), an output gradient and an
-    optional padding mask (about a third of the keys padded), from ``seed``."""
+MEMORY_LAYOUTS = ("contiguous", "head_dim_strided", "sliced", "expanded")
+
+
+def with_memory_layout(x: torch.Tensor, memory: str) -> torch.Tensor:
+    """The values of ``x`` ``(B, N, H, D)`` in another memory layout: ``head_dim_strided``
+    (``(B, N, D, H)`` transposed, as einops' ``b n (d h)`` gives), ``sliced`` (every
+    other row of a longer tensor), ``expanded`` (stride 0 over the batch, where the
+    rows are equal; else as ``sliced``)."""
+    if memory == "contiguous":
+        return x.contiguous()
+    if memory == "head_dim_strided":
+        return x.transpose(2, 3).contiguous().transpose(2, 3)
+    if memory == "expanded" and x.shape[0] > 1 and bool((x == x[:1]).all()):
+        return x[:1].expand_as(x)
+    wide = torch.zeros(x.shape[0], 2 * x.shape[1], *x.shape[2:], dtype=x.dtype)
+    wide[:, ::2] = x
+    return wide[:, ::2]
+
+
+def random_inputs(seed, batch, seq_len, heads, head_dim, dtype=torch.float64, masked=False, memory="contiguous"):
+    """Fresh standard-normal ``q, k, v`` (requiring grad), output and LSE gradients and
+    an optional padding mask (about a third of the keys padded), from ``seed``;
+    ``memory`` picks the inputs' memory layout (see :func:`with_memory_layout`;
+    ``expanded`` makes every batch row of ``q`` equal, stride 0)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (batch, seq_len, heads, head_dim)
     q, k, v, grad = (torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4))
+    grad_lse = torch.randn(shape[:3], generator=gen, dtype=torch.float64)
     mask = (torch.rand(batch, seq_len, generator=gen) < 0.35) if masked else None
-    return [t.requires_grad_() for t in (q, k, v)], grad, mask
+    if memory == "expanded":
+        q = q[:1].expand_as(q)
+    q, k, v, grad = (with_memory_layout(t, memory) for t in (q, k, v, grad))
+    return [t.requires_grad_() for t in (q, k, v)], (grad, grad_lse), mask
 
 
 @st.composite
 def configs(draw, max_len=48, max_heads=6):
-    """A configuration anywhere in what SPEC.md allows: odd lengths, w > N,
-    w % r != 0, short last segments, H not divisible by the branch count, masks."""
+    """A configuration anywhere in what the definition allows: odd lengths, w > N,
+    w % r != 0, r > w, short last segments, H not divisible by the branch count,
+    masks, any finite scale (0 and negative included), strided inputs."""
     branches = draw(st.integers(1, 3))
     mode = draw(st.sampled_from(MODES))
     return dict(
@@ -35,14 +61,16 @@ def configs(draw, max_len=48, max_heads=6):
         seq_len=draw(st.integers(1, max_len)),
         heads=draw(st.integers(branches if mode == "head_groups" else 1, max_heads)),
         head_dim=draw(st.sampled_from([1, 3, 8])),
+        softmax_scale=draw(st.sampled_from([None, None, 0.7, -1.3, 0.0])),
+        memory=draw(st.sampled_from(MEMORY_LAYOUTS)),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
 def split_config(cfg):
     """``(input kwargs, attention kwargs)`` of a config drawn by :func:`configs`."""
-    inputs = {key: cfg[key] for key in ("seed", "batch", "seq_len", "heads", "head_dim", "masked")}
-    attention = {key: cfg[key] for key in ("segment_lengths", "dilation_rates", "mode", "is_causal")}
+    inputs = {key: cfg[key] for key in ("seed", "batch", "seq_len", "heads", "head_dim", "masked", "memory")}
+    attention = {key: cfg[key] for key in ("segment_lengths", "dilation_rates", "mode", "is_causal", "softmax_scale")}
     return inputs, attention
 
 
@@ -66,3 +94,18 @@ def call_budget(elements):
         yield
     finally:
         functional.MAX_CALL_ELEMENTS.update(original)
+
+
+def option_help(help_text):
+    """``{invocation: help}`` of each option listed in an argparse ``--help`` text
+    (the help joined over its lines; ``""`` for an option without help)."""
+    options, current = {}, None
+    for line in help_text.splitlines():
+        if line.startswith("  -"):
+            current, _, rest = line.strip().partition("  ")
+            options[current] = rest.strip()
+        elif current is not None and line.startswith("   ") and line.strip():
+            options[current] = f"{options[current]} {line.strip()}".strip()
+        else:
+            current = None
+    return options

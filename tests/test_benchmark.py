@@ -1,14 +1,18 @@
 """The benchmark's FLOP count, memory probe and command (a smoke run on tiny sizes)."""
 
 import json
+import os
+import re
 
 import pytest
 import torch
 from helpers import configs
 from hypothesis import given
 
+import dilated_attention.benchmark as benchmark
 from dilated_attention.benchmark import PeakMemory, attended_pairs
 from dilated_attention.cli import main
+from dilated_attention.files import atomic_write, fresh_folder
 from dilated_attention.reference import branch_offsets, branch_pattern
 
 
@@ -38,6 +42,87 @@ def test_peak_memory_sees_a_temporary_allocation():
     with PeakMemory(torch.device("cpu")) as peak:
         torch.ones(1024)
     assert peak.added < size / 8
+
+
+class FakeGlibc:
+    """Records the allocator calls PeakMemory makes instead of making them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append(("mallopt", param, value))
+        return 1
+
+    def malloc_trim(self, pad):
+        self.calls.append(("malloc_trim", pad))
+        return 1
+
+
+@pytest.mark.skipif(not PeakMemory.supported(torch.device("cpu")), reason="needs Linux /proc")
+def test_peak_memory_restores_glibc_defaults_on_exit(monkeypatch):
+    libc = FakeGlibc()
+    monkeypatch.setattr(benchmark, "_glibc", lambda: libc)
+    m_mmap_threshold, m_trim_threshold, kib = -3, -1, 1024  # glibc's malloc.h
+    with pytest.raises(RuntimeError, match="inside"):
+        with PeakMemory(torch.device("cpu")):
+            assert libc.calls == [
+                ("mallopt", m_mmap_threshold, 256 * kib), ("mallopt", m_trim_threshold, 256 * kib), ("malloc_trim", 0)
+            ]
+            raise RuntimeError("inside the block")
+    assert libc.calls[3:] == [("mallopt", m_mmap_threshold, 128 * kib), ("mallopt", m_trim_threshold, 128 * kib)]
+
+
+TINY_BENCH = [
+    "bench", "--seq-lens", "64", "--impl", "mixture", "--segment-lengths", "16", "--dilation-rates", "1",
+    "--heads", "1", "--head-dim", "8", "--repeats", "1", "--matmul-size", "64", "--no-backward", "--quiet",
+]
+
+
+def test_bench_writes_into_a_fresh_timestamped_folder_by_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(TINY_BENCH) == 0
+    (folder,) = os.listdir(tmp_path)
+    assert re.fullmatch(r"dilated-attention-bench-\d{8}-\d{6}", folder)
+    assert sorted(os.listdir(folder)) == ["bench-cpu-float32.json", "bench-cpu-float32.png", "bench-cpu-float32.txt"]
+    assert os.path.abspath(folder) in capsys.readouterr().out
+
+
+def test_bench_replaces_its_files_atomically(tmp_path):
+    old = {}
+    for ext in ("json", "txt", "png"):
+        path, other_name = tmp_path / f"smoke.{ext}", tmp_path / f"other-name.{ext}"
+        other_name.write_text("old")
+        os.link(other_name, path)  # writing into the file in place would change other_name too
+        old[path] = other_name
+    assert main(TINY_BENCH + ["--out-dir", str(tmp_path), "--name", "smoke"]) == 0
+    for path, other_name in old.items():
+        assert other_name.read_text() == "old" and path.read_bytes() != b"old"
+    assert len(os.listdir(tmp_path)) == 6  # no temporary file left
+
+
+def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "out.txt"
+    path.write_text("old")
+    with pytest.raises(RuntimeError, match="half"):
+        with atomic_write(str(path)) as f:
+            f.write("new, but only ")
+            raise RuntimeError("half written")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.txt"]
+    with atomic_write(str(path), binary=True) as f:
+        f.write(b"new")
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["out.txt"]
+    with pytest.raises(FileNotFoundError, match="the folder .*missing does not exist"):
+        with atomic_write(str(tmp_path / "missing" / "out.txt")):
+            pass
+
+
+def test_fresh_folder_never_reuses_a_folder(tmp_path):
+    stem = str(tmp_path / "run")
+    assert fresh_folder(stem) == stem and os.path.isdir(stem)
+    assert fresh_folder(stem) == stem + "-2"
+    assert fresh_folder(stem) == stem + "-3"
+    assert sorted(os.listdir(tmp_path)) == ["run", "run-2", "run-3"]
 
 
 def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):

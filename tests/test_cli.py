@@ -1,11 +1,17 @@
-"""The command line: check's exit code, pattern's picture."""
+"""The command line: check's exit code, pattern's picture, the help and the version."""
 
+import os
+import re
 import subprocess
 import sys
 
+import pytest
 import torch
+from helpers import option_help
 
+import dilated_attention
 import dilated_attention.check as check
+import dilated_attention.pattern as pattern
 from dilated_attention.cli import main
 
 
@@ -23,9 +29,8 @@ def test_check_fails_when_a_case_exceeds_its_tolerance(capsys, monkeypatch):
     assert "FAILED" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available, so there is nothing to refuse")
 def test_check_refuses_missing_cuda(capsys):
-    if torch.cuda.is_available():
-        return
     assert main(["check", "--device", "cuda"]) == 2
     assert "torch.cuda.is_available() is False" in capsys.readouterr().err
 
@@ -41,6 +46,35 @@ def test_pattern_writes_a_png(tmp_path, capsys):
     assert lines[1].startswith("head 1: offsets per branch [0, 1], keys per query min 1")
 
 
+def test_pattern_has_a_colour_bar_per_head_and_a_caption(tmp_path, monkeypatch):
+    figures = []
+
+    def save(fig, *args, **kwargs):
+        figures.append(fig)
+        return original(fig, *args, **kwargs)
+
+    original = pattern.save
+    monkeypatch.setattr(pattern, "save", save)
+    path = tmp_path / "pattern.png"
+    pattern.draw_pattern(str(path), 24, 3, [8, 16], [1, 2])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = figures
+    images = [image for ax in fig.axes for image in ax.images]
+    assert len(images) == 3 and all(image.colorbar is not None for image in images)
+    caption = " ".join(text.get_text() for text in fig.texts)
+    assert "scores are equal" in caption and "counts twice" in caption and "not attended" in caption
+
+
+def test_pattern_replaces_its_png_atomically(tmp_path):
+    path, other_name = tmp_path / "pattern.png", tmp_path / "other-name.png"
+    other_name.write_bytes(b"old")
+    os.link(other_name, path)  # writing into the file in place would change other_name too
+    args = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "8", "--heads", "1"]
+    assert main(args + ["--out", str(path)]) == 0
+    assert path.read_bytes()[:4] == b"\x89PNG" and other_name.read_bytes() == b"old"
+    assert sorted(os.listdir(tmp_path)) == ["other-name.png", "pattern.png"]
+
+
 def test_pattern_rejects_bad_configuration(tmp_path, capsys):
     args = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "2", "--length", "8", "--heads", "2"]
     assert main(args + ["--out", str(tmp_path / "p.png")]) == 2
@@ -54,3 +88,41 @@ def test_module_entry_point_runs():
     )
     assert result.returncode == 0, result.stderr
     assert "all passed" in result.stdout
+
+
+def test_version_names_the_package_and_torch(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    expected = f"dilated-attention {dilated_attention.__version__} (torch {torch.__version__})"
+    assert capsys.readouterr().out.strip() == expected
+
+
+def _help(argv, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv + ["--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_top_level_help_has_one_sentence_per_command_and_no_markup(capsys, monkeypatch):
+    text = _help([], capsys, monkeypatch)
+    assert "``" not in text
+    for command in ("check", "pattern", "bench"):
+        (line,) = [line for line in text.splitlines() if line.startswith(f"    {command} ")]
+        sentence = line.split(None, 1)[1]
+        assert sentence[0].isupper() and sentence.endswith("."), line
+    assert "--version" in option_help(text)
+
+
+@pytest.mark.parametrize("command", ["check", "pattern", "bench"])
+def test_every_option_says_what_it_does_and_its_default(command, capsys, monkeypatch):
+    text = _help([command], capsys, monkeypatch)
+    assert "``" not in text
+    options = option_help(text)
+    del options["-h, --help"]
+    assert options
+    for invocation, help_text in options.items():
+        what, default = re.fullmatch(r"(.*?) ?(\(default: .+\)|\(required\))?", help_text).groups()
+        assert what and default, f"{command} {invocation}: {help_text!r}"

@@ -18,7 +18,7 @@ def attention(q, k, v, mask):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_functional_compiles_fullgraph(backend):
     torch._dynamo.reset()
-    (q, k, v), grad, mask = random_inputs(0, 2, 40, 3, 4, masked=True)
+    (q, k, v), (grad, _), mask = random_inputs(0, 2, 40, 3, 4, masked=True)
     compiled = torch.compile(attention, backend=backend, fullgraph=True)
     out = compiled(q, k, v, mask)
     grads = torch.autograd.grad(out, (q, k, v), grad)
@@ -40,4 +40,24 @@ def test_multihead_module_compiles_fullgraph():
     loss = out.square().sum()
     grads = torch.autograd.grad(loss, list(mha.parameters()))
     expected_grads = torch.autograd.grad(expected.square().sum(), list(mha.parameters()))
+    assert max_relative_error(grads, expected_grads) <= 1e-12
+
+
+def test_multihead_module_compiles_fullgraph_in_training_with_dropout():
+    """Dropout's seed is a tensor drawn from PyTorch's generator, so the compiled
+    module draws the same masks as the eager one for the same seed."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(16, 4, SEGS, RATES, dropout=0.3, dtype=torch.float64).train()
+    x = torch.randn(2, 30, 16, dtype=torch.float64)
+    compiled = torch.compile(mha, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(1)
+    out, _ = compiled(x, is_causal=True)
+    grads = torch.autograd.grad(out.square().sum(), list(mha.parameters()))
+    torch.manual_seed(1)
+    expected, _ = mha(x, is_causal=True)
+    expected_grads = torch.autograd.grad(expected.square().sum(), list(mha.parameters()))
+    mha.eval()
+    assert max_relative_error(expected, mha(x, is_causal=True)[0]) > 0.05  # dropout did act
+    assert max_relative_error(out, expected) <= 1e-12
     assert max_relative_error(grads, expected_grads) <= 1e-12

@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import with_memory_layout
+
 from dilated_attention import dilated_attention
-from dilated_attention.check import lse_error, max_relative_error
+from dilated_attention.check import ONE_PROCESS_TOLERANCES, lse_error, max_relative_error
 from dilated_attention.distributed import traffic
 from dilated_attention.reference import branch_offsets, branch_pattern
 
@@ -51,20 +53,24 @@ def run_case(case, rank, world, group):
     shape = (case["batch"], n, case["heads"], case["head_dim"])
     dtype = getattr(torch, case.get("dtype", "float64"))
     q, k, v, grad = (torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4))
+    grad_lse = torch.randn(shape[:3], generator=gen)
     mask = (torch.rand(case["batch"], n, generator=gen) < 0.3) if case["masked"] else None
-    kwargs = dict(mode=case["mode"], is_causal=case["is_causal"], return_lse=True)
+    kwargs = dict(mode=case["mode"], is_causal=case["is_causal"], dropout_p=case.get("dropout_p", 0.0), return_lse=True)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(case["seed"])  # the same dropout seed on every rank and in the one-process run
     out, lse = dilated_attention(*full, case["segment_lengths"], case["dilation_rates"], key_padding_mask=mask, **kwargs)
-    full_grads = torch.autograd.grad(out, full, grad)
+    full_grads = torch.autograd.grad((out, lse), full, (grad, grad_lse.to(lse.dtype)))
 
     lo, hi = shard_bounds(case["lengths"])[rank]
-    local = [t[:, lo:hi].clone().requires_grad_() for t in (q, k, v)]
+    # Strided shards too: a head dim that is not unit-stride.
+    local = [with_memory_layout(t[:, lo:hi], case.get("memory", "contiguous")).requires_grad_() for t in (q, k, v)]
     local_mask = None if mask is None else mask[:, lo:hi]
+    torch.manual_seed(case["seed"])
     dout, dlse = dilated_attention(
         *local, case["segment_lengths"], case["dilation_rates"], key_padding_mask=local_mask,
         process_group=group, **kwargs,
     )
-    grads = torch.autograd.grad(dout, local, grad[:, lo:hi])
+    grads = torch.autograd.grad((dout, dlse), local, (grad[:, lo:hi], grad_lse[:, lo:hi].to(dlse.dtype)))
     errors = {
         "out": max_relative_error(dout, out[:, lo:hi]),
         "lse": lse_error(dlse, lse[:, lo:hi]),
@@ -115,13 +121,17 @@ def worker(rank, world, init_file, cases, result_dir, scenario):
         if scenario == "cases":
             report["cases"] = [run_case(case, rank, world, dist.group.WORLD) for case in cases]
             report["module"] = run_module(rank, world, dist.group.WORLD)
-        elif scenario == "mismatch":
+        elif scenario in ("mismatch", "bad_input"):
             x = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+            mask = torch.zeros(1, 8, dtype=torch.bool if rank == 0 or scenario == "mismatch" else torch.int64)
+            start = time.monotonic()
             try:
-                dilated_attention(x, x, x, [4 + 4 * rank], [1], process_group=dist.group.WORLD)
+                dilated_attention(x, x, x, [4 + 4 * rank if scenario == "mismatch" else 4], [1],
+                                  key_padding_mask=mask, process_group=dist.group.WORLD)
                 report["error"] = None
-            except ValueError as exc:
-                report["error"] = str(exc)
+            except (ValueError, TypeError) as exc:
+                report["error"] = f"{type(exc).__name__}: {exc}"
+            report["seconds"] = time.monotonic() - start
         elif scenario == "dead_peer":
             if rank == 1:
                 os._exit(0)  # dies without taking part
@@ -137,6 +147,7 @@ def worker(rank, world, init_file, cases, result_dir, scenario):
         with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
             json.dump(report, f)
     if scenario != "dead_peer":
+        dist.barrier()  # no rank tears down its connections while a peer still uses them
         dist.destroy_process_group()
 
 
@@ -165,17 +176,19 @@ def launch(world, tmp_path, cases=(), scenario="cases"):
 def make_cases(world, count, seed):
     """Random configurations on ``world`` shards: equal or unequal lengths (some
     shorter than a segment, so segments span several shards), both modes, causal,
-    masks, ``w > N``, ``w % r != 0``."""
+    masks, ``w > N``, ``w % r != 0``, dropout (masks must be the one-process ones),
+    shards whose head dim is not unit-stride."""
     rng = random.Random(seed)
     cases = []
     for index in range(count):
         lengths = [rng.randint(1, 14) for _ in range(world)] if index % 2 else [rng.randint(3, 10)] * world
         branches = rng.randint(1, 3)
         mode = rng.choice(["mixture", "head_groups"])
+        huge = index % 5 == 4  # a last branch with w and r beyond any tensor index
         cases.append(dict(
             lengths=lengths,
-            segment_lengths=[rng.randint(1, 2 * sum(lengths)) for _ in range(branches)],
-            dilation_rates=[rng.randint(1, 4) for _ in range(branches)],
+            segment_lengths=[rng.randint(1, 2 * sum(lengths)) for _ in range(branches - huge)] + [2**64] * huge,
+            dilation_rates=[rng.randint(1, 4) for _ in range(branches - huge)] + [2**63] * huge,
             mode=mode,
             is_causal=rng.random() < 0.5,
             masked=rng.random() < 0.3,
@@ -184,6 +197,8 @@ def make_cases(world, count, seed):
             head_dim=rng.choice([2, 4]),
             seed=rng.randrange(2**31),
             dtype="float32" if index % 4 == 3 else "float64",
+            dropout_p=0.3 if index % 3 == 1 else 0.0,
+            memory="head_dim_strided" if index % 4 == 2 else "contiguous",
         ))
     return cases
 
@@ -201,7 +216,7 @@ def test_every_world_size_matches_one_process(world, tmp_path):
     assert sorted(reports) == list(range(world))
     for rank, report in reports.items():
         for case, (errors, moved) in zip(cases, report["cases"]):
-            tolerance = 1e-5 if case.get("dtype") == "float32" else 1e-12
+            tolerance = ONE_PROCESS_TOLERANCES[getattr(torch, case.get("dtype", "float64"))]
             assert errors["out"] <= tolerance, (rank, case, errors)
             assert errors["lse"] <= tolerance, (rank, case, errors)
             assert errors["grads"] <= tolerance, (rank, case, errors)
@@ -214,7 +229,18 @@ def test_every_world_size_matches_one_process(world, tmp_path):
 def test_ranks_with_different_configurations_fail_loudly(tmp_path):
     reports = launch(2, tmp_path, scenario="mismatch")
     for rank in (0, 1):
-        assert "disagree on segment_lengths/dilation_rates" in reports[rank]["error"]
+        assert "ValueError: process_group ranks disagree on segment_lengths (per rank: [[4], [8]])" in (
+            reports[rank]["error"]
+        )
+
+
+def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank_at_once(tmp_path):
+    reports = launch(2, tmp_path, scenario="bad_input")
+    for rank in (0, 1):
+        assert reports[rank]["error"] == reports[1]["error"]
+        assert reports[rank]["error"].startswith("ValueError: key_padding_mask must be a bool tensor")
+        assert "bad input on rank 1 of process_group" in reports[rank]["error"]
+        assert reports[rank]["seconds"] < 10  # not the group's 120 s timeout
 
 
 def test_a_dead_peer_ends_the_others_with_an_error(tmp_path):

@@ -1,11 +1,20 @@
-"""Every bad input SPEC.md lists raises ValueError/TypeError naming the argument."""
+"""Every bad input raises ValueError/TypeError naming the argument and the fix; odd
+but valid input (huge ints, NumPy bools) works."""
 
 import re
+import time
 
 import pytest
 import torch
 
-from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention
+from dilated_attention import (
+    DilatedAttention,
+    MultiheadDilatedAttention,
+    dilated_attention,
+    reference_dilated_attention,
+)
+from dilated_attention.check import max_relative_error
+from dilated_attention.plan import make_plan
 
 
 def qkv(shape=(2, 16, 4, 8), dtype=torch.float32):
@@ -86,3 +95,41 @@ def test_module_errors():
 def test_process_group_without_torch_distributed_initialized():
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         dilated_attention(q0, k0, v0, [4], [1], process_group=object())
+
+
+def test_numpy_bools_are_bools():
+    np = pytest.importorskip("numpy")
+    assert torch.equal(call(is_causal=np.bool_(True)), call(is_causal=True))
+    with pytest.raises(TypeError, match=re.escape("is_causal must be a bool, got 1 (int)")):
+        call(is_causal=1)
+
+
+@pytest.mark.parametrize("huge", [2**62, 2**63, 2**64, 10**30])
+def test_huge_segment_lengths_and_rates_are_exact(huge):
+    """``w >= N`` is one segment; a rate beyond the segment selects one row per head
+    offset: both computed exactly, for any Python int."""
+    q, k, v = qkv((2, 16, 4, 8), torch.float64)
+    for segs, rates in (([huge], [1]), ([8], [huge]), ([huge, 4], [huge, 2])):
+        for mode in ("mixture", "head_groups"):
+            out = dilated_attention(q, k, v, segs, rates, mode=mode, is_causal=True)
+            ref, _ = reference_dilated_attention(q, k, v, segs, rates, mode=mode, is_causal=True)
+            assert max_relative_error(out, ref) <= 1e-12
+    assert torch.equal(dilated_attention(q, k, v, [huge], [1]), dilated_attention(q, k, v, [16], [1]))
+
+
+def test_planning_does_not_grow_with_the_number_of_segments():
+    """A million one-position segments: a plan of a few blocks, made at once."""
+    start = time.perf_counter()
+    blocks = make_plan(2**20 + 3, 8, [1, 3, 2048], [1, 2, 4], "mixture")
+    assert time.perf_counter() - start < 1.0
+    assert len(blocks) == len(make_plan(2**12 + 3, 8, [1, 3, 2048], [1, 2, 4], "mixture")) == 11
+
+
+def test_layout_is_named_in_errors():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=re.escape("layout must be 'bnhd' for (batch, seq_len, heads, head_dim)")):
+        dilated_attention(q, k, v, [4], [1], layout="bshd")
+    with pytest.raises(ValueError, match=re.escape("(batch, heads, seq_len, head_dim) (layout='bhnd')")):
+        dilated_attention(q[0], k[0], v[0], [4], [1], layout="bhnd")
+    with pytest.raises(ValueError, match=re.escape("(batch, seq_len, heads, head_dim) (layout='bnhd')")):
+        dilated_attention(q[0], k[0], v[0], [4], [1])

@@ -1,6 +1,8 @@
 """The nn.Module wrappers."""
 
 import io
+import re
+import warnings
 
 import pytest
 import torch
@@ -73,7 +75,68 @@ def test_state_dict_round_trip():
     assert torch.equal(source(x)[0], target(x)[0])
     assert set(source.state_dict()) == {
         f"{name}.{p}" for name in ("q_proj", "k_proj", "v_proj", "out_proj", "norm") for p in ("weight", "bias")
-    }
+    } | {"_extra_state", "attention._extra_state"}
+
+
+@pytest.mark.parametrize(
+    "change,fragment",
+    [
+        (dict(num_heads=8), "num_heads=4 into one with num_heads=8"),
+        (dict(segment_lengths=[4, 8, 16]), "segment_lengths=[4, 8, 32] into one with segment_lengths=[4, 8, 16]"),
+        (dict(dilation_rates=[1, 2, 8]), "dilation_rates"),
+        (dict(mode="head_groups"), "mode='mixture' into one with mode='head_groups'"),
+    ],
+)
+def test_state_dict_of_another_configuration_is_refused(change, fragment):
+    """Same parameter shapes, different computation: loading must fail, not succeed silently."""
+    config = dict(embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES)
+    source = MultiheadDilatedAttention(**config)
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    target = MultiheadDilatedAttention(**{**config, **change})
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        target.load_state_dict(torch.load(buffer))
+
+
+def test_sequence_first_inputs_with_batch_first_false():
+    """``batch_first=False`` takes and returns ``(N, B, E)`` like ``nn.MultiheadAttention``'s
+    default; the padding mask stays ``(B, N)``."""
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(16, 4, SEGS, RATES, dtype=torch.float64)
+    seq_first = MultiheadDilatedAttention(16, 4, SEGS, RATES, batch_first=False, dtype=torch.float64)
+    seq_first.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 13, 16, dtype=torch.float64)
+    mask = torch.rand(2, 13) < 0.3
+    expected, _ = mha(x, key_padding_mask=mask, is_causal=True)
+    out, _ = seq_first(x.transpose(0, 1), key_padding_mask=mask, is_causal=True)
+    assert torch.equal(out.transpose(0, 1), expected)
+    with pytest.raises(ValueError, match="is that its layout"):
+        mha(x.transpose(0, 1), key_padding_mask=mask)
+
+
+def test_jit_trace_of_the_multihead_module():
+    """Traced (for the input shape it was traced with: the plan depends on it), as
+    ``nn.MultiheadAttention`` is traced: through its output tensor (``None`` cannot be
+    a traced output)."""
+
+    class OutputOnly(torch.nn.Module):
+        def __init__(self, mha):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):
+            return self.mha(x, is_causal=True)[0]
+
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(16, 4, SEGS, RATES, dtype=torch.float64).eval()
+    x = torch.randn(2, 30, 16, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = torch.jit.trace(OutputOnly(mha), (x,), check_trace=False)
+    y = torch.randn_like(x)
+    assert max_relative_error(traced(y), mha(y, is_causal=True)[0]) <= 1e-12
 
 
 def test_magneto_initialisation():

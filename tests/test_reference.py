@@ -1,6 +1,8 @@
-"""The reference itself, against a scalar loop written straight from SPEC.md."""
+"""The reference itself, against a scalar loop written straight from the definition
+(docs/definition.md), and its argument checks."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -10,10 +12,10 @@ from hypothesis import given
 from dilated_attention.reference import attention_weights_uniform, reference_dilated_attention
 
 
-def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, is_causal, mask):
-    """SPEC.md, one (batch, position, head) at a time, in Python floats."""
+def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, mask):
+    """The definition, one (batch, position, head) at a time, in Python floats."""
     batch, n, heads, dim = q.shape
-    scale = dim**-0.5
+    scale = dim**-0.5 if softmax_scale is None else softmax_scale
     groups = len(segment_lengths)
     sizes = [heads // groups + (1 if i < heads % groups else 0) for i in range(groups)]
     group_of = [i for i, size in enumerate(sizes) for _ in range(size)]
@@ -83,3 +85,20 @@ def test_uniform_weights_rows_sum_to_the_mode_total(mode):
         assert w[0, 0, 0] == 1.0
         # query 3, head 1: branch (6,1) sees keys 0..3 ; branch (12,3) offset 1 does not select 3
         assert torch.allclose(w[1, 3, :4], torch.full((4,), 0.25, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,fragment",
+    [
+        (dict(mode="mixtur"), ValueError, "mode must be one of"),
+        (dict(segment_lengths=[4, 8]), ValueError, "same length"),
+        (dict(is_causal="yes"), TypeError, "is_causal must be a bool"),
+        (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
+        (dict(key_padding_mask=torch.zeros(1, 8)), ValueError, "key_padding_mask must be a bool tensor"),
+    ],
+)
+def test_reference_validates_its_arguments(kwargs, exc, fragment):
+    q = torch.randn(1, 8, 2, 4)
+    args = {"segment_lengths": [4], "dilation_rates": [1], **kwargs}
+    with pytest.raises(exc, match=re.escape(fragment)):
+        reference_dilated_attention(q, q, q, args.pop("segment_lengths"), args.pop("dilation_rates"), **args)

@@ -9,13 +9,14 @@ FlashAttention convention); causal counts the pairs on or below the diagonal.
 Memory: the peak bytes one call adds on top of its inputs, without its output: on
 CUDA from the caching allocator's statistics, on CPU (Linux) from the process's
 peak resident set, reset before each call (``/proc/self/clear_refs``), with glibc
-told to return large blocks to the system at once so that freed memory is not
-silently reused.
+told, while it measures, to return large blocks to the system at once so that freed
+memory is not silently reused.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import platform
@@ -27,7 +28,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .files import atomic_write
 from .functional import dilated_attention
+from .intmath import ceil_div
 from .kernels import select_kernel
 from .plan import make_plan
 from .plotting import pyplot, save
@@ -105,8 +108,21 @@ def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 4096, re
 # ----------------------------------------------------------------------------- memory
 
 
+# glibc's mallopt parameters (malloc.h) and the values PeakMemory sets and restores.
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MEASURING_THRESHOLD_BYTES = 256 * 1024  # blocks from here up are mmapped and trimmed at once
+GLIBC_DEFAULT_THRESHOLD_BYTES = 128 * 1024  # glibc's documented default of both
+
+
 class PeakMemory:
-    """Peak bytes allocated during a ``with`` block above what was allocated before."""
+    """Peak bytes allocated during a ``with`` block above what was allocated before.
+
+    On CPU with glibc, the block runs with ``M_MMAP_THRESHOLD`` and
+    ``M_TRIM_THRESHOLD`` at 256 KiB, so that freed memory leaves the resident set,
+    and both are set back to glibc's documented default (128 KiB) on exit. glibc's
+    dynamic mmap threshold (which rises as large blocks are freed) stays off once
+    either is set: glibc offers no way to turn it back on."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -124,7 +140,8 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._before = torch.cuda.memory_allocated(self.device)
         else:
-            _release_freed_memory()
+            _set_malloc_thresholds(MEASURING_THRESHOLD_BYTES)
+            _trim_heap()
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset the peak resident set size to the current one
             self._before = _proc_status_kb("VmRSS") * 1024
@@ -136,6 +153,7 @@ class PeakMemory:
             self.added = torch.cuda.max_memory_allocated(self.device) - self._before
         else:
             self.added = _proc_status_kb("VmHWM") * 1024 - self._before
+            _set_malloc_thresholds(GLIBC_DEFAULT_THRESHOLD_BYTES)
         return False
 
 
@@ -147,23 +165,29 @@ def _proc_status_kb(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-_MALLOC_CONFIGURED = False
-
-
-def _release_freed_memory() -> None:
-    """glibc: serve blocks >= 256 KiB by mmap (returned to the system on free) and
-    trim the heap, so the resident set follows what is really allocated."""
-    global _MALLOC_CONFIGURED
+@functools.cache
+def _glibc() -> Optional[ctypes.CDLL]:
+    """glibc, or ``None`` where the C library is another one."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        return ctypes.CDLL("libc.so.6")
     except OSError:
-        return
-    if not _MALLOC_CONFIGURED:
-        m_mmap_threshold, m_trim_threshold = -3, -1
-        libc.mallopt(m_mmap_threshold, 256 * 1024)
-        libc.mallopt(m_trim_threshold, 256 * 1024)
-        _MALLOC_CONFIGURED = True
-    libc.malloc_trim(0)
+        return None
+
+
+def _set_malloc_thresholds(size: int) -> None:
+    """glibc: serve blocks of ``size`` bytes and more by mmap (returned to the system
+    on free) and trim the heap's top once ``size`` bytes are free."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, size)
+        libc.mallopt(M_TRIM_THRESHOLD, size)
+
+
+def _trim_heap() -> None:
+    """glibc: return the heap's free memory to the system."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 # ----------------------------------------------------------------------------- runs
@@ -224,7 +248,7 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
     args = (cfg.batch, seq_len, cfg.heads, cfg.segment_lengths, cfg.dilation_rates)
     if impl == "kernel":
         w, r = cfg.segment_lengths[0], cfg.dilation_rates[0]
-        rows = -(-w // r)
+        rows = ceil_div(w, r)
         shape = (cfg.batch * max(seq_len // w, 1), cfg.heads, rows, cfg.head_dim)
         kernel = select_kernel(device, dtype, 0.0)
         scale = cfg.head_dim**-0.5
@@ -408,7 +432,7 @@ def write_json(result: BenchResult, path: str) -> None:
         "matmul_gflops": result.matmul_gflops,
         "rows": [asdict(r) for r in result.rows],
     }
-    with open(path, "w") as f:
+    with atomic_write(path) as f:
         json.dump(payload, f, indent=1)
 
 

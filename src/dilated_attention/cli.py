@@ -5,19 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Optional, Sequence
 
 import torch
 
-from . import benchmark, validation
+from . import __version__, benchmark, validation
+from .files import atomic_write, fresh_folder
 from .plan import MODES
 
-DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES = validation.FLOAT_DTYPES
 
 
 def _cmd_check(args) -> int:
@@ -82,62 +79,125 @@ def _cmd_bench(args) -> int:
     result = benchmark.run(cfg, progress=not args.quiet)
     table = benchmark.format_table(result)
     print(table)
-    stem = os.path.join(args.out_dir, args.name or f"bench-{args.device}-{args.dtype}")
+    out_dir = _bench_folder(args.out_dir)
+    stem = os.path.join(out_dir, args.name or f"bench-{args.device}-{args.dtype}")
     benchmark.write_json(result, stem + ".json")
-    with open(stem + ".txt", "w") as f:
+    with atomic_write(stem + ".txt") as f:
         f.write(table + "\n")
     print(f"wrote {stem}.json and {stem}.txt")
     if not args.no_plot:
         benchmark.plot(result, stem + ".png")
         print(f"wrote {stem}.png")
+    print(f"results in {os.path.abspath(out_dir)}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dilated-attention", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _bench_folder(out_dir: Optional[str]) -> str:
+    """``out_dir`` (created if missing), or by default a new folder in the current
+    directory named after the time: a run never writes over an earlier one's results."""
+    if out_dir is None:
+        return fresh_folder(time.strftime("dilated-attention-bench-%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    return out_dir
 
-    check = sub.add_parser("check", help="compare the library with the float64 reference")
-    check.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    check.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float64", "float32"])
-    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dilated-attention",
+        description="Exact LongNet dilated attention: check it against its float64 reference, "
+        "draw its attention pattern, or benchmark it against dense attention.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__} (torch {torch.__version__})",
+        help="print the versions of dilated-attention and torch and exit",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_check(sub)
+    _add_pattern(sub)
+    _add_bench(sub)
+    return parser
+
+
+def _add_command(sub, name: str, sentence: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand: ``sentence`` in the list of commands, ``description`` atop its own help."""
+    return sub.add_parser(name, help=sentence, description=description)
+
+
+def _add_check(sub) -> None:
+    check = _add_command(
+        sub, "check", "Compare the library with its float64 reference.",
+        "Compare the library with its float64 reference on 24 configurations per dtype (both modes, "
+        "causal or not, padding masks, odd and tiny lengths), print each case's errors and tolerance, "
+        "and exit 1 if any case fails.",
+    )
+    check.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
+    check.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float64", "float32"],
+                       help="dtypes to check, each against its tolerance (default: float64 float32)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     check.set_defaults(run=_cmd_check)
 
-    pattern = sub.add_parser("pattern", help="draw the attention pattern of each head as a PNG")
-    pattern.add_argument("--segment-lengths", type=int, nargs="+", required=True)
-    pattern.add_argument("--dilation-rates", type=int, nargs="+", required=True)
-    pattern.add_argument("--length", type=int, required=True, help="sequence length N")
-    pattern.add_argument("--heads", type=int, required=True)
-    pattern.add_argument("--mode", choices=MODES, default="mixture")
-    pattern.add_argument("--causal", action="store_true")
-    pattern.add_argument("--out", default="pattern.png", help="PNG file to write")
+
+def _add_pattern(sub) -> None:
+    pattern = _add_command(
+        sub, "pattern", "Draw each head's attention pattern as a PNG.",
+        "Draw which keys each query attends to, one panel per head, as a PNG, and print one "
+        "summary line per head.",
+    )
+    pattern.add_argument("--segment-lengths", type=int, nargs="+", metavar="W", required=True,
+                         help="segment length w of each branch (required)")
+    pattern.add_argument("--dilation-rates", type=int, nargs="+", metavar="R", required=True,
+                         help="dilation rate r of each branch, as many as --segment-lengths (required)")
+    pattern.add_argument("--length", type=int, metavar="N", required=True, help="sequence length N (required)")
+    pattern.add_argument("--heads", type=int, metavar="H", required=True, help="number of heads H (required)")
+    pattern.add_argument("--mode", choices=MODES, default="mixture",
+                         help="how the branches share the heads (default: mixture)")
+    pattern.add_argument("--causal", action="store_true",
+                         help="queries attend only to keys at or before them (default: off)")
+    pattern.add_argument("--out", default="pattern.png", help="PNG file to write (default: pattern.png)")
     pattern.set_defaults(run=_cmd_pattern)
 
-    bench = sub.add_parser("bench", help="time and memory: dense vs dilated attention")
-    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    bench.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    bench.add_argument("--seq-lens", type=int, nargs="+", help="default: 4K..128K on CPU, 4K..1M on CUDA")
-    bench.add_argument("--segment-lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    bench.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4])
-    bench.add_argument("--batch", type=int, default=1)
-    bench.add_argument("--heads", type=int, default=8)
-    bench.add_argument("--head-dim", type=int, default=64)
-    bench.add_argument("--causal", action="store_true")
-    bench.add_argument("--impl", nargs="+", choices=benchmark.IMPLEMENTATIONS,
-                       default=list(benchmark.IMPLEMENTATIONS))
-    bench.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
-    bench.add_argument("--threads", type=int, help="torch.set_num_threads")
+
+def _add_bench(sub) -> None:
+    bench = _add_command(
+        sub, "bench", "Time dense vs dilated attention; measure their memory.",
+        "Time dense and dilated attention (forward, and forward+backward), measure the peak memory "
+        "a call adds, compare their speed with a square matmul's, and write a JSON file, a text "
+        "table and a plot into a new folder (or --out-dir).",
+    )
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
+    bench.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                       help="dtype of q, k, v (default: float32)")
+    bench.add_argument("--seq-lens", type=int, nargs="+", metavar="N", help="sequence lengths N to measure "
+                       "(default: powers of 2 from 4096 to 131072 on CPU, to 1048576 on CUDA)")
+    bench.add_argument("--segment-lengths", type=int, nargs="+", metavar="W", default=[2048, 4096, 8192],
+                       help="segment length w of each branch (default: 2048 4096 8192)")
+    bench.add_argument("--dilation-rates", type=int, nargs="+", metavar="R", default=[1, 2, 4],
+                       help="dilation rate r of each branch (default: 1 2 4)")
+    bench.add_argument("--batch", type=int, metavar="B", default=1, help="batch size B (default: 1)")
+    bench.add_argument("--heads", type=int, metavar="H", default=8, help="number of heads H (default: 8)")
+    bench.add_argument("--head-dim", type=int, metavar="D", default=64, help="size D of each head (default: 64)")
+    bench.add_argument("--causal", action="store_true",
+                       help="queries attend only to keys at or before them (default: off)")
+    impls = benchmark.IMPLEMENTATIONS
+    bench.add_argument("--impl", nargs="+", choices=impls, default=list(impls),
+                       help="implementations to measure: dense is PyTorch SDPA, kernel the fused kernel alone, "
+                       f"mixture and head_groups the library (default: {' '.join(impls)})")
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="timed runs per measurement, of which the median counts (default: 3)")
+    bench.add_argument("--threads", type=int, help="CPU threads, for torch.set_num_threads (default: torch's own)")
     bench.add_argument("--max-seconds", type=float, default=60.0,
-                       help="skip a measurement predicted to take longer (dense at large N)")
-    bench.add_argument("--matmul-size", type=int, default=4096, help="side of the reference square matmul")
-    bench.add_argument("--no-backward", action="store_true")
-    bench.add_argument("--no-memory", action="store_true")
-    bench.add_argument("--no-plot", action="store_true")
-    bench.add_argument("--quiet", action="store_true", help="no progress bar")
-    bench.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
-    bench.add_argument("--name", help="file name stem of the JSON and PNG")
+                       help="skip a measurement predicted to take longer, such as dense at large N (default: 60)")
+    bench.add_argument("--matmul-size", type=int, default=4096,
+                       help="side of the square matmul the speed ratios refer to (default: 4096)")
+    bench.add_argument("--no-backward", action="store_true", help="time the forward only (default: off)")
+    bench.add_argument("--no-memory", action="store_true", help="do not measure peak memory (default: off)")
+    bench.add_argument("--no-plot", action="store_true", help="write no PNG plot (default: off)")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
+    bench.add_argument("--out-dir", help="folder to write the results into (default: a new folder "
+                       "dilated-attention-bench-YYYYmmdd-HHMMSS in the current directory)")
+    bench.add_argument("--name", help="file name stem of the JSON, text and PNG files "
+                       "(default: bench-DEVICE-DTYPE)")
     bench.set_defaults(run=_cmd_bench)
-    return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

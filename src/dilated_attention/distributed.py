@@ -13,18 +13,16 @@ and backward.
 
 from __future__ import annotations
 
-import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .dropout import draw_seed
 from .engine import RemoteKeys
+from .kernels import accumulator
 from .plan import ShardPlan, make_shard_plan
-
-_DTYPE_CODES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
 @dataclass
@@ -46,39 +44,46 @@ def traffic() -> Traffic:
     return Traffic(**vars(_LAST_TRAFFIC))
 
 
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
+def _settings(call, dropout_p: float) -> dict:
+    """What every rank must agree on, by the name used in error messages."""
+    batch, _, heads, head_dim = call.shape
+    return {
+        "batch": batch, "heads": heads, "head_dim": head_dim, "dtype": str(call.q.dtype),
+        "device type": call.q.device.type, "mode": call.mode, "is_causal": call.is_causal,
+        "key_padding_mask (given or None)": call.padding is not None,
+        "segment_lengths": list(call.segment_lengths), "dilation_rates": list(call.dilation_rates),
+        "softmax_scale": call.scale, "dropout_p": dropout_p,
+    }
 
 
-_FIELDS = (
-    "batch", "heads", "head_dim", "dtype", "mode", "is_causal", "key_padding_mask",
-    "segment_lengths/dilation_rates", "softmax_scale", "dropout_p", "device type",
-)
+def agree(group, call, dropout_p: float, error: Optional[Exception]) -> tuple[list[int], Optional[int]]:
+    """All-gather every rank's configuration, or the error its input raised; return
+    the shard lengths and rank 0's dropout seed (``None`` without dropout).
 
-
-def agree_on_layout(group, q: torch.Tensor, segment_lengths, dilation_rates, mode: str,
-                    is_causal: bool, masked: bool, scale: float, dropout_p: float) -> list[int]:
-    """All-gather every rank's configuration; return the shard lengths, or raise
-    ``ValueError`` on every rank if any setting differs between ranks."""
-    batch, local_len, heads, head_dim = q.shape
-    branches = zlib.crc32(repr((tuple(segment_lengths), tuple(dilation_rates))).encode())
-    mine = [
-        local_len, batch, heads, head_dim, _DTYPE_CODES[q.dtype], int(mode == "mixture"), int(is_causal),
-        int(masked), branches, _float_bits(scale), _float_bits(dropout_p), int(q.device.type == "cuda"),
-    ]
-    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    local = torch.tensor(mine, dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    table = torch.stack(gathered).cpu().tolist()
-    for column, name in enumerate(_FIELDS, start=1):
-        values = [row[column] for row in table]
-        if len(set(values)) > 1:
+    Every rank raises the same error if any rank's input was bad (the first such
+    rank's message) or if any setting differs between ranks (the values per rank)."""
+    if error is None:
+        seed = int(draw_seed(call.q.device)) if dropout_p > 0 else None
+        mine = {"length": call.shape[1], "seed": seed, "settings": _settings(call, dropout_p)}
+    else:
+        mine = {"error": (type(error).__name__, str(error))}
+    table = [None] * dist.get_world_size(group)
+    dist.all_gather_object(table, mine, group=group)
+    for rank, entry in enumerate(table):
+        if "error" in entry:
+            kind, message = entry["error"]
+            raised = (TypeError if kind == "TypeError" else ValueError)(
+                f"{message} (bad input on rank {rank} of process_group; every rank raises this error)"
+            )
+            raise raised from error
+    for name in table[0]["settings"]:
+        values = [entry["settings"][name] for entry in table]
+        if any(value != values[0] for value in values):
             raise ValueError(
                 f"process_group ranks disagree on {name} (per rank: {values}); every rank must call "
                 "dilated_attention with the same configuration and only its own shard of the sequence"
             )
-    return [row[0] for row in table]
+    return [entry["length"] for entry in table], table[0]["seed"]
 
 
 def _global(group, peer: int) -> int:
@@ -87,8 +92,9 @@ def _global(group, peer: int) -> int:
 
 @dataclass
 class Sharding:
-    """The process group, this rank's plan, and the received rows of one call (kept
-    for backward: at most the selected rows of the segments this rank shares)."""
+    """The process group, this rank's plan, the dropout seed (rank 0's, so that masks
+    are those of one process), and the received rows of one call (kept for
+    backward: at most the selected rows of the segments this rank shares)."""
 
     group: object
     plan: ShardPlan
@@ -97,6 +103,7 @@ class Sharding:
     dim: int
     dtype: torch.dtype
     device: torch.device
+    seed: Optional[torch.Tensor] = None
     pieces: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -154,7 +161,8 @@ class Sharding:
                         for t in per_head
                     )
                     pad = None if mask is None else mask[:, torch.searchsorted(mask_rows, wanted)]
-                    self.pieces.append(RemoteKeys(block, k_rows, v_rows, pad))
+                    positions = self.plan.starts[peer] + wanted
+                    self.pieces.append(RemoteKeys(block, k_rows, v_rows, pad, positions))
             return self.pieces
 
         return finish
@@ -165,9 +173,9 @@ class Sharding:
         outgoing, index = {}, 0
         for peer, pairs in self.plan.receives:
             unions = self.unions_from[peer]
+            acc = accumulator(self.dtype)
             sums = [
-                {h: torch.zeros(self.batch, len(r), self.dim, dtype=torch.float32 if self.dtype != torch.float64
-                                else self.dtype, device=self.device) for h, r in unions.items()}
+                {h: torch.zeros(self.batch, len(r), self.dim, dtype=acc, device=self.device) for h, r in unions.items()}
                 for _ in range(2)
             ]
             for rows, _ in pairs:
@@ -219,14 +227,20 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def make_sharding(group, q, segment_lengths, dilation_rates, mode, is_causal, masked, scale, dropout_p) -> Sharding:
-    """Check the ranks agree, and plan this rank's part."""
+def make_sharding(group, call, dropout_p: float, error: Optional[Exception]) -> Sharding:
+    """Check that the ranks' inputs are valid and agree (see :func:`agree`), and plan
+    this rank's part. ``call`` is this rank's validated call, or ``None`` with the
+    ``error`` its validation raised."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "process_group was given but torch.distributed is not initialized: call "
             "torch.distributed.init_process_group first, or pass process_group=None for one process"
         )
-    lengths = agree_on_layout(group, q, segment_lengths, dilation_rates, mode, is_causal, masked, scale, dropout_p)
-    rank = dist.get_rank(group)
-    plan = make_shard_plan(lengths, rank, q.shape[2], segment_lengths, dilation_rates, mode, is_causal)
-    return Sharding(group, plan, masked, q.shape[0], q.shape[3], q.dtype, q.device)
+    lengths, seed = agree(group, call, dropout_p, error)
+    batch, _, heads, dim = call.shape
+    plan = make_shard_plan(
+        lengths, dist.get_rank(group), heads, call.segment_lengths, call.dilation_rates, call.mode, call.is_causal
+    )
+    device = call.q.device
+    seed = None if seed is None else torch.tensor(seed, dtype=torch.int64, device=device)
+    return Sharding(group, plan, call.padding is not None, batch, dim, call.q.dtype, device, seed)

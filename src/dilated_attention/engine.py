@@ -8,8 +8,10 @@ log-sum-exp update. Nothing full-size is kept per branch.
 Backward: the merged output is one softmax over the union of the keys each query
 sees, so each block's kernel backward, given the *merged* output and LSE, yields
 the exact gradient of the whole function; the block gradients are added into
-``dq, dk, dv`` in place. Only the inputs, the mask, the output and the LSE are
-saved (and, across processes, the rows received from other ranks: see
+``dq, dk, dv`` in place. The LSE is differentiable too: its gradient enters each
+block's backward as a shift of the softmax's row term (see :func:`_attend_backward`).
+Only the inputs, the mask, the dropout seed, the output and the LSE are saved
+(and, across processes, the rows received from other ranks: see
 :class:`RemoteKeys`, merged after the local blocks).
 
 ``head_groups`` uses the same path: its blocks never overlap, so each result is
@@ -23,8 +25,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from .dropout import DropoutMask, column_keys, row_keys
+from .kernels import accumulator
 from .plan import Block
 
 
@@ -40,7 +43,8 @@ class EngineConfig:
     and, on CPU, keeps it small enough to be reused rather than freshly paged in
     each call; ``out_scale``: factor applied to the merged output (``1 / G`` in
     ``head_groups``, where blocks never overlap); ``kernel``: one of the classes of
-    :mod:`dilated_attention.kernels`.
+    :mod:`dilated_attention.kernels`; ``first_position``: the sequence position of
+    the first row of ``q, k, v`` (a shard's start; it keys the dropout masks).
     """
 
     blocks: tuple[Block, ...]
@@ -51,6 +55,7 @@ class EngineConfig:
     dropout_p: float
     out_scale: float
     kernel: type
+    first_position: int = 0
 
 
 def _calls(cfg: EngineConfig, batch: int, head_dim: int) -> list[Block]:
@@ -72,6 +77,12 @@ def _from_kernel(y: torch.Tensor, batch: int) -> torch.Tensor:
     return y.transpose(1, 2).unflatten(0, (batch, -1))
 
 
+def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself if its last dim is unit-stride (the fused kernels assume it), else a
+    contiguous copy. Other strides, 0 included, are passed through as they are."""
+    return x if x.shape[-1] == 1 or x.stride(-1) == 1 else x.contiguous()
+
+
 def _key_mask(pad: Optional[torch.Tensor], dtype, is_causal: bool):
     """From padded keys ``(B', L)`` (bool): the additive bias ``(B', 1, 1, L)`` and the
     query rows left with no key ``(B', 1, L or 1)``; ``(None, None)`` without a mask.
@@ -84,9 +95,39 @@ def _key_mask(pad: Optional[torch.Tensor], dtype, is_causal: bool):
     return bias[:, None, None, :], empty[:, None, :]
 
 
-def _block_mask(block: Block, padding: Optional[torch.Tensor], dtype, is_causal: bool):
-    """:func:`_key_mask` of a block's keys."""
-    return _key_mask(None if padding is None else block.select(padding).flatten(0, 1), dtype, is_causal)
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """Rows ``t[..., :]`` holding a NaN or an infinity (two reductions, no full-size temporary)."""
+    return ~(torch.isfinite(t.amax(-1)) & torch.isfinite(t.amin(-1)))
+
+
+def nonfinite_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``(bad_q, bad_kv)`` ``(B, N, H)`` bool: rows of ``q``, and of ``k`` or ``v``, that
+    hold a NaN or an infinity; ``None`` where there are none and checking was free
+    (eager on CPU). The fused kernels let such values leak into rows that do not
+    attend to them (a causal future key's value times probability 0), so the engine
+    zeroes them and marks the rows they reach instead."""
+    bad_q, bad_kv = _nonfinite(q), _nonfinite(k) | _nonfinite(v)
+    if q.device.type == "cpu" and not torch.compiler.is_compiling() and not (bad_q.any() or bad_kv.any()):
+        return None
+    return bad_q, bad_kv
+
+
+def _clean_keys(k: torch.Tensor, v: torch.Tensor, bad):
+    """``k, v`` ``(B', h, L, D)`` with the rows of non-finite keys set to 0."""
+    if bad is None:
+        return k, v
+    rows = bad[1].unsqueeze(-1)
+    return k.masked_fill(rows, 0.0), v.masked_fill(rows, 0.0)
+
+
+def _reached_rows(bad, pad: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
+    """Query rows ``(B', h, Lq)`` that a non-finite value reaches: one in the query
+    itself, or in an unpadded key it attends to."""
+    bad_q, bad_k = bad
+    if pad is not None:
+        bad_k = bad_k & ~pad[:, None, :]
+    reached = bad_k.cumsum(-1) > 0 if is_causal else bad_k.any(-1, keepdim=True)
+    return bad_q | reached
 
 
 @dataclass
@@ -94,13 +135,82 @@ class RemoteKeys:
     """Keys and values that another rank sent for one local query block.
 
     ``query``: the local query rows (one segment); ``k``, ``v``: ``(B, h, L, D)``
-    kernel layout; ``padding``: ``(B, L)`` bool or ``None``. The queries see all of
-    them (the sender's rows all precede the queries when causal)."""
+    kernel layout; ``padding``: ``(B, L)`` bool or ``None``; ``positions``: ``(L,)``
+    the keys' positions in the sequence. The queries see all of them (the sender's
+    rows all precede the queries when causal)."""
 
     query: Block
     k: torch.Tensor
     v: torch.Tensor
     padding: Optional[torch.Tensor]
+    positions: torch.Tensor
+
+
+def _attend(cfg: EngineConfig, q, k, v, pad, bad, is_causal: bool, dropout: Optional[DropoutMask]):
+    """``(out, lse)`` of one kernel call in kernel layout, with the rules of the
+    definition a fused kernel does not keep by itself: padded keys have no effect
+    whatever they hold, a non-finite value makes exactly the rows it reaches NaN,
+    and a row with no key is ``0``, ``-inf``. ``bad``: ``None`` or the call's
+    ``(bad_q (B', h, Lq), bad_k (B', h, Lk))`` from :func:`nonfinite_rows`."""
+    k, v = _clean_keys(k, v, bad)
+    bias, empty = _key_mask(pad, q.dtype, is_causal)
+    o, l = cfg.kernel.forward(q, k, v, bias, is_causal, cfg.scale, dropout)
+    if bad is not None:
+        reached = _reached_rows(bad, pad, is_causal)
+        o, l = o.masked_fill(reached.unsqueeze(-1), math.nan), l.masked_fill(reached, math.nan)
+    if empty is not None:
+        o, l = o.masked_fill(empty.unsqueeze(-1), 0.0), l.masked_fill(empty, -math.inf)
+    return o, l
+
+
+def _attend_backward(cfg: EngineConfig, grad, q, k, v, out, lse, lse_grad, pad, bad, is_causal: bool, dropout):
+    """``dq, dk, dv`` of one kernel call (kernel layout), given the merged ``out`` and
+    ``lse`` (``+inf`` on rows with no key).
+
+    ``lse_grad`` ``(B', h, Lq)`` or ``None``: a gradient reaching the LSE. It adds
+    ``P_ij * g_i`` to the score gradient ``P * (dP - delta)``, i.e. lowers
+    ``delta = rowsum(grad * out)`` by ``g``. The kernels get it through one more
+    head-dim column: 0 in ``q, k, v`` (nothing else changes), 1 in ``out`` and
+    ``-g`` in ``grad``."""
+    k, v = _clean_keys(k, v, bad)
+    bias, _ = _key_mask(pad, q.dtype, is_causal)
+    dim = q.shape[-1]
+    if lse_grad is not None:
+        q, k, v = (torch.nn.functional.pad(t, (0, 1)) for t in (q, k, v))
+        out = torch.cat([out, torch.ones_like(out[..., :1])], -1)
+        grad = torch.cat([grad, -lse_grad.unsqueeze(-1).to(grad.dtype)], -1)
+    dq, dk, dv = cfg.kernel.backward(grad, q, k, v, out, lse, bias, is_causal, cfg.scale, dropout)
+    return dq[..., :dim], dk[..., :dim], dv[..., :dim]
+
+
+def _block_rows(block: Block, padding: Optional[torch.Tensor], bad):
+    """The block's rows of the padding mask ``(B * nseg, rows)`` and of the
+    non-finite flags (kernel layout), each ``None`` where absent."""
+    pad = None if padding is None else block.select(padding).flatten(0, 1)
+    return pad, None if bad is None else tuple(_to_kernel(block.select(t)) for t in bad)
+
+
+def _remote_rows(piece: RemoteKeys, bad):
+    """The non-finite flags of a call on received keys: the local queries' (none if
+    ``bad`` is ``None``) and the received keys', which are always checked."""
+    bad_k = _nonfinite(piece.k) | _nonfinite(piece.v)
+    if bad is None:  # one segment of queries: (B, h, rows)
+        return bad_k.new_zeros(*bad_k.shape[:2], piece.query.rows), bad_k
+    return _to_kernel(piece.query.select(bad[0])), bad_k
+
+
+def _dropout(cfg: EngineConfig, seed, query: Block, q: torch.Tensor, key_positions=None):
+    """The :class:`DropoutMask` of a call whose queries are ``query``'s rows and whose
+    keys are the same rows, or other rows at ``key_positions`` ``(L,)``; ``None``
+    without dropout."""
+    if seed is None:
+        return None
+    batch, _, num_heads, _ = q.shape
+    positions = query.positions(cfg.first_position, q.device)
+    heads = torch.arange(num_heads, device=q.device)[query.heads]
+    rows = _to_kernel(row_keys(seed, batch, heads, positions))
+    columns = column_keys(positions if key_positions is None else key_positions.expand(positions.shape[0], -1))
+    return DropoutMask(cfg.dropout_p, rows, columns.expand(batch, -1, -1).flatten(0, 1).unsqueeze(1))
 
 
 def _buffer(shape, dtype, device, cfg: EngineConfig, fill: float) -> torch.Tensor:
@@ -142,31 +252,20 @@ def _accumulation_dtype(dtype: torch.dtype, cfg: EngineConfig, remote: bool = Fa
     return torch.float32 if merges and dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _sanitize(o, l, empty):
-    """Rows with no key: LSE ``-inf`` and output 0 (the fused kernels report LSE 0)."""
-    if empty is None:
-        return o, l
-    return o.masked_fill(empty.unsqueeze(-1), 0.0), l.masked_fill(empty, -math.inf)
-
-
-def engine_forward(q, k, v, padding, cfg: EngineConfig, seed: int, remote: Callable[[], Sequence[RemoteKeys]] = None):
+def engine_forward(q, k, v, padding, seed, cfg: EngineConfig, remote: Optional[Callable[[], Sequence[RemoteKeys]]] = None):
     """Output ``(B, N, H, D)`` in ``q.dtype`` and LSE ``(B, N, H)``; see module docstring.
 
+    ``seed``: 0-dim int64 tensor of the dropout masks, or ``None`` without dropout.
     ``remote``, when given, is called after the local blocks have run (so that data in
     flight from other ranks overlaps them) and returns the remote keys to merge in."""
     batch, seq_len, heads, _ = q.shape
     out = _buffer(q.shape, _accumulation_dtype(q.dtype, cfg, remote is not None), q.device, cfg, 0.0)
-    lse = _buffer((batch, seq_len, heads), _lse_dtype(q.dtype), q.device, cfg, -math.inf)
-    calls = _calls(cfg, batch, q.shape[-1])
-    for index, block in enumerate(calls):
+    lse = _buffer((batch, seq_len, heads), accumulator(q.dtype), q.device, cfg, -math.inf)
+    bad = nonfinite_rows(q, k, v)
+    for block in _calls(cfg, batch, q.shape[-1]):
         qb, kb, vb = (_to_kernel(block.select(t)) for t in (q, k, v))
-        bias, empty = _block_mask(block, padding, q.dtype, cfg.is_causal)
-        o, l = cfg.kernel.forward(qb, kb, vb, bias, cfg.is_causal, cfg.scale, cfg.dropout_p, seed + index)
-        o, l = _sanitize(o, l, empty)
+        pad, block_bad = _block_rows(block, padding, bad)
+        o, l = _attend(cfg, qb, kb, vb, pad, block_bad, cfg.is_causal, _dropout(cfg, seed, block, q))
         o, l = _from_kernel(o, batch), _from_kernel(l, batch)
         out_view, lse_view = block.select(out), block.select(lse)
         if block.fresh:
@@ -174,23 +273,26 @@ def engine_forward(q, k, v, padding, cfg: EngineConfig, seed: int, remote: Calla
             lse_view.copy_(l)
         else:
             _merge_into(out_view, lse_view, o, l, cfg.out_scale)
-    for index, piece in enumerate(remote() if remote is not None else (), start=len(calls)):
+    for piece in remote() if remote is not None else ():
         qb = _to_kernel(piece.query.select(q))
-        bias, empty = _key_mask(piece.padding, q.dtype, False)
-        o, l = cfg.kernel.forward(qb, piece.k, piece.v, bias, False, cfg.scale, cfg.dropout_p, seed + index)
-        o, l = _sanitize(o, l, empty)
+        dropout = _dropout(cfg, seed, piece.query, q, piece.positions)
+        o, l = _attend(cfg, qb, piece.k, piece.v, piece.padding, _remote_rows(piece, bad), False, dropout)
         o, l = _from_kernel(o, batch), _from_kernel(l, batch)
         _merge_into(piece.query.select(out), piece.query.select(lse), o, l, cfg.out_scale)
     return out.to(q.dtype), lse
 
 
-def engine_backward(grad_out, q, k, v, padding, out, lse, cfg: EngineConfig, seed: int, remote=(), send_remote=None):
-    """``dq, dk, dv`` given ``grad_out``; ``out``/``lse`` as returned by :func:`engine_forward`.
+def engine_backward(
+    grad_out, grad_lse, q, k, v, padding, seed, out, lse, cfg: EngineConfig, remote=(), send_remote=None
+):
+    """``dq, dk, dv`` given ``grad_out`` and ``grad_lse`` (either may be ``None``: no
+    gradient reaches that output); ``out``/``lse`` as returned by :func:`engine_forward`.
 
     With ``out_scale = s`` (``head_groups``) the kernel must differentiate the
     unscaled output ``O = out / s`` for the gradient ``s * grad_out``; being linear
     in the gradient and in ``rowsum(grad * O)``, that equals ``s`` times its result
-    for ``grad_out`` and ``O``, so only ``O`` is formed and ``s`` joins the copy.
+    for ``grad_out`` and ``O``, so only ``O`` is formed and ``s`` joins the copy (the
+    LSE's gradient, not scaled by ``s``, enters divided by it).
 
     ``remote``: the :class:`RemoteKeys` of the forward; their gradients ``(dk, dv)``
     (kernel layout) are computed first and handed to ``send_remote`` before the local
@@ -198,30 +300,37 @@ def engine_backward(grad_out, q, k, v, padding, out, lse, cfg: EngineConfig, see
     batch = q.shape[0]
     acc = _accumulation_dtype(q.dtype, cfg, bool(remote))
     grads = [_buffer(t.shape, acc, t.device, cfg, 0.0) for t in (q, k, v)]
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     # A row with no key at all has lse = -inf; +inf makes all its probabilities 0.
-    lse = lse.masked_fill(torch.isneginf(lse), math.inf)
+    no_key = torch.isneginf(lse)
+    lse = lse.masked_fill(no_key, math.inf)
+    lse_grad = None if grad_lse is None else grad_lse.masked_fill(no_key, 0.0) / cfg.out_scale
 
-    def unscaled(t):
-        return t / cfg.out_scale if cfg.out_scale != 1.0 else t
+    def inputs(query: Block):
+        """The query block's rows of the output, its gradients and the LSE, kernel layout."""
+        ob, gb, lb = (_to_kernel(query.select(t)) for t in (out, grad_out, lse))
+        ob = ob / cfg.out_scale if cfg.out_scale != 1.0 else ob
+        return gb, ob, lb, None if lse_grad is None else _to_kernel(query.select(lse_grad))
 
-    calls = _calls(cfg, batch, q.shape[-1])
+    bad = nonfinite_rows(q, k, v)
     remote_dq, remote_grads = [], []
-    for index, piece in enumerate(remote, start=len(calls)):
-        qb, ob, gb, lb = (_to_kernel(piece.query.select(t)) for t in (q, out, grad_out, lse))
-        bias, _ = _key_mask(piece.padding, q.dtype, False)
-        dq, dk, dv = cfg.kernel.backward(
-            gb, qb, piece.k, piece.v, unscaled(ob), lb, bias, False, cfg.scale, cfg.dropout_p, seed + index
+    for piece in remote:
+        gb, ob, lb, glb = inputs(piece.query)
+        dropout = _dropout(cfg, seed, piece.query, q, piece.positions)
+        qb = _to_kernel(piece.query.select(q))
+        dq, dk, dv = _attend_backward(
+            cfg, gb, qb, piece.k, piece.v, ob, lb, glb, piece.padding, _remote_rows(piece, bad), False, dropout
         )
         remote_dq.append(dq)  # added after the local blocks, whose fresh writes come first
         remote_grads.append((dk * cfg.out_scale, dv * cfg.out_scale) if cfg.out_scale != 1.0 else (dk, dv))
     if send_remote is not None:
         send_remote(remote_grads)
-    for index, block in enumerate(calls):
-        qb, kb, vb, ob, gb = (_to_kernel(block.select(t)) for t in (q, k, v, out, grad_out))
-        lb = _to_kernel(block.select(lse))
-        bias, _ = _block_mask(block, padding, q.dtype, cfg.is_causal)
-        block_grads = cfg.kernel.backward(
-            gb, qb, kb, vb, unscaled(ob), lb, bias, cfg.is_causal, cfg.scale, cfg.dropout_p, seed + index
+    for block in _calls(cfg, batch, q.shape[-1]):
+        qb, kb, vb = (_to_kernel(block.select(t)) for t in (q, k, v))
+        gb, ob, lb, glb = inputs(block)
+        pad, block_bad = _block_rows(block, padding, bad)
+        block_grads = _attend_backward(
+            cfg, gb, qb, kb, vb, ob, lb, glb, pad, block_bad, cfg.is_causal, _dropout(cfg, seed, block, q)
         )
         for grad, block_grad in zip(grads, block_grads):
             _write(block.select(grad), _from_kernel(block_grad, batch), block.fresh, cfg.out_scale)
@@ -231,37 +340,42 @@ def engine_backward(grad_out, q, k, v, padding, out, lse, cfg: EngineConfig, see
 
 
 class DilatedAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper of the engine: inputs ``q, k, v`` ``(B, N, H, D)`` and an
-    optional bool ``padding`` ``(B, N)``; outputs ``out`` and a non-differentiable ``lse``.
+    """Autograd wrapper of the engine: inputs ``q, k, v`` ``(B, N, H, D)`` (last dim
+    unit-stride), an optional bool ``padding`` ``(B, N)`` and the dropout ``seed``;
+    outputs ``out`` and ``lse``, both differentiable.
 
     ``sharding`` (a :class:`dilated_attention.distributed.Sharding`, or ``None``) makes
     the inputs one rank's shard: other ranks' key/value rows are received while the
     local blocks run, and their gradients are sent back while the local backward runs.
+    Double backward is refused: the backward is not itself differentiable.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, padding, cfg: EngineConfig, sharding=None):
-        seed = 0
-        if cfg.dropout_p > 0:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
+    def forward(ctx, q, k, v, padding, seed, cfg: EngineConfig, sharding=None):
         remote = sharding.send_keys(k, v, padding) if sharding is not None else None
-        out, lse = engine_forward(q, k, v, padding, cfg, seed, remote)
-        ctx.save_for_backward(q, k, v, padding, out, lse)
-        ctx.cfg, ctx.seed, ctx.sharding = cfg, seed, sharding
-        ctx.mark_non_differentiable(lse)
+        out, lse = engine_forward(q, k, v, padding, seed, cfg, remote)
+        ctx.save_for_backward(q, k, v, padding, seed, out, lse)
+        ctx.cfg, ctx.sharding = cfg, sharding
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, _grad_lse):
-        q, k, v, padding, out, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_lse):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "dilated_attention does not support double backward (a backward with "
+                "create_graph=True, e.g. for a gradient penalty): its gradient is not itself "
+                "differentiable, so it is refused rather than silently cut from the graph"
+            )
+        q, k, v, padding, seed, out, lse = ctx.saved_tensors
         sharding, pending = ctx.sharding, []
         grads = engine_backward(
-            grad_out, q, k, v, padding, out, lse, ctx.cfg, ctx.seed,
+            None if grad_out is None else contiguous_last_dim(grad_out), grad_lse,
+            q, k, v, padding, seed, out, lse, ctx.cfg,
             remote=sharding.pieces if sharding is not None else (),
             send_remote=(lambda g: pending.append(sharding.send_key_grads(g))) if sharding is not None else None,
         )
         for finish in pending:
             finish(grads[1], grads[2])
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None

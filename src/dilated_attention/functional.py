@@ -7,7 +7,8 @@ from typing import Optional, Sequence
 import torch
 
 from . import validation
-from .engine import DilatedAttentionFunction, EngineConfig
+from .dropout import draw_seed
+from .engine import DilatedAttentionFunction, EngineConfig, contiguous_last_dim
 from .kernels import select_kernel
 from .plan import make_plan, partly_covered_heads
 
@@ -31,12 +32,15 @@ def dilated_attention(
     dropout_p: float = 0.0,
     key_padding_mask: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    layout: str = "bnhd",
     process_group=None,
 ):
-    """LongNet dilated attention, computed exactly as ``SPEC.md`` defines it.
+    """LongNet dilated attention, computed exactly as ``docs/definition.md`` defines it.
 
     Args:
-        q, k, v: ``(B, N, H, D)``, one shape, dtype and device. Any ``N >= 1``.
+        q, k, v: ``(B, N, H, D)`` = (batch, seq_len, heads, head_dim), or with
+            ``layout="bhnd"`` ``(B, H, N, D)`` (PyTorch SDPA's layout); one shape,
+            dtype and device, any strides. Any ``N >= 1``.
         segment_lengths: ``w_i >= 1`` per branch (``w > N`` means one segment).
         dilation_rates: ``r_i >= 1`` per branch, as many as ``segment_lengths``.
         mode: ``"mixture"`` (every branch on every head, head ``j`` with offset
@@ -44,11 +48,17 @@ def dilated_attention(
             ``"head_groups"`` (branch ``i`` on head group ``i`` only, output divided
             by the number of branches; needs ``H >= len(segment_lengths)``).
         is_causal: a query attends only to keys at positions ``<=`` its own.
-        softmax_scale: factor on ``q @ k^T``; default ``D ** -0.5``.
+        softmax_scale: factor on ``q @ k^T``, any finite float; default ``D ** -0.5``.
         dropout_p: dropout on the attention probabilities, applied whenever it is
-            ``> 0`` (the modules pass 0 in eval mode). Uses the unfused math kernel.
-        key_padding_mask: optional bool ``(B, N)``, ``True`` marks a padded key.
+            ``> 0`` (the modules pass 0 in eval mode). Whether a probability is kept
+            depends only on a seed drawn from PyTorch's generator of the inputs'
+            device and on its (batch row, head, query, key) position. Uses the
+            unfused math kernel.
+        key_padding_mask: optional bool ``(B, N)``, ``True`` marks a padded key;
+            padded keys have no effect at all, whatever their rows hold.
         return_lse: also return the log-sum-exp.
+        layout: ``"bnhd"`` (default) or ``"bhnd"``: the layout of ``q, k, v``, of
+            the output and of the LSE (``(B, N, H)`` or ``(B, H, N)``).
         process_group: a ``torch.distributed`` process group (``None``: one process).
             Then ``q, k, v`` (and the mask) are this rank's contiguous shard of the
             sequence, rank ``k`` holding the ``k``-th; shards may differ in length
@@ -57,44 +67,53 @@ def dilated_attention(
             the single-process result, and so are the gradients.
 
     Returns:
-        ``out`` ``(B, N, H, D)`` in the dtype of ``q``; with ``return_lse``,
-        ``(out, lse)`` where ``lse`` ``(B, N, H)`` is float32 (float64 for float64
-        input), the natural log of the softmax denominator with the scale applied,
-        ``-inf`` where a (position, head) attends to nothing (its output is 0).
-        ``lse`` is not differentiable. Gradients of ``out`` are exact, including
-        through the mixing weights of ``mixture``.
+        ``out`` (the layout of ``q``) in the dtype of ``q``; with ``return_lse``,
+        ``(out, lse)`` where ``lse`` is float32 (float64 for float64 input), the
+        natural log of the softmax denominator with the scale applied, ``-inf``
+        where a (position, head) attends to nothing (its output is 0). Both are
+        differentiable, exactly, including through the mixing weights of
+        ``mixture``; double backward is refused.
+
+    NaN in a query, or in a key a query attends to, gives NaN in that query's
+    output and LSE.
     """
-    validation.check_qkv(q, k, v)
-    segment_lengths, dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
-    mode = validation.check_mode(mode)
-    is_causal = validation.check_flag(is_causal, "is_causal")
-    return_lse = validation.check_flag(return_lse, "return_lse")
-    dropout_p = validation.check_dropout(dropout_p)
-    batch, seq_len, num_heads, head_dim = q.shape
-    scale = validation.check_scale(softmax_scale, head_dim)
-    padding = validation.check_padding_mask(key_padding_mask, batch, seq_len, q.device)
-    num_branches = len(segment_lengths)
-    if mode == "head_groups":
-        validation.check_head_groups(num_heads, num_branches)
-    sharding = None
-    if process_group is not None:
+
+    def validate():
+        call = validation.check_attention(
+            q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask, layout
+        )
+        return call, validation.check_dropout(dropout_p), validation.check_flag(return_lse, "return_lse")
+
+    if process_group is None:
+        call, dropout, want_lse = validate()
+        seed = draw_seed(call.q.device) if dropout > 0 else None
+        blocks = make_plan(call.shape[1], call.shape[2], call.segment_lengths, call.dilation_rates, call.mode)
+        sharding, first_position = None, 0
+    else:
         from .distributed import make_sharding
 
-        sharding = make_sharding(
-            process_group, q, segment_lengths, dilation_rates, mode, is_causal, padding is not None, scale, dropout_p
-        )
-        blocks = sharding.plan.blocks
-    else:
-        blocks = make_plan(seq_len, num_heads, segment_lengths, dilation_rates, mode)
+        try:
+            call, dropout, want_lse = validate()
+            error = None
+        except (ValueError, TypeError) as exc:
+            call = dropout = want_lse = None
+            error = exc
+        sharding = make_sharding(process_group, call, dropout, error)
+        seed, blocks, first_position = sharding.seed, sharding.plan.blocks, sharding.plan.first_position
+    _, _, num_heads, _ = call.shape
     cfg = EngineConfig(
         blocks=tuple(blocks),
-        unwritten_heads=tuple(partly_covered_heads(num_heads, dilation_rates, mode)),
-        max_call_elements=MAX_CALL_ELEMENTS.get(q.device.type, MAX_CALL_ELEMENTS["default"]),
-        is_causal=is_causal,
-        scale=scale,
-        dropout_p=dropout_p,
-        out_scale=1.0 if mode == "mixture" else 1.0 / num_branches,
-        kernel=select_kernel(q.device, q.dtype, dropout_p),
+        unwritten_heads=tuple(partly_covered_heads(num_heads, call.dilation_rates, call.mode)),
+        max_call_elements=MAX_CALL_ELEMENTS.get(call.q.device.type, MAX_CALL_ELEMENTS["default"]),
+        is_causal=call.is_causal,
+        scale=call.scale,
+        dropout_p=dropout,
+        out_scale=1.0 if call.mode == "mixture" else 1.0 / len(call.segment_lengths),
+        kernel=select_kernel(call.q.device, call.q.dtype, dropout),
+        first_position=first_position,
     )
-    out, lse = DilatedAttentionFunction.apply(q, k, v, padding, cfg, sharding)
-    return (out, lse) if return_lse else out
+    q_, k_, v_ = (contiguous_last_dim(t) for t in (call.q, call.k, call.v))
+    out, lse = DilatedAttentionFunction.apply(q_, k_, v_, call.padding, seed, cfg, sharding)
+    if layout == "bhnd":
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    return (out, lse) if want_lse else out

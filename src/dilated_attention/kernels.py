@@ -2,147 +2,187 @@
 
 Every kernel computes, for tensors in kernel layout ``(batch, heads, L, D)``,
 
-    forward(q, k, v)  -> out (batch, heads, L, D), lse (batch, heads, L)
-    backward(dout, q, k, v, out, lse) -> dq, dk, dv
+    forward(q, k, v, bias, is_causal, scale, dropout)  -> out (batch, heads, Lq, D), lse (batch, heads, Lq)
+    backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout) -> dq, dk, dv
 
 where ``lse`` is the natural-log softmax denominator (scale applied) and the
 backward uses the ``out``/``lse`` it is given, not its own. Given the *merged*
 output and LSE of all branches, each branch's backward is the exact gradient of
-the merged softmax, which is how the engine differentiates the mixture.
+the merged softmax, which is how the engine differentiates the mixture. The
+backward reads ``out`` only through ``rowsum(dout * out)``.
 
-Masks: ``bias`` is ``None`` or an additive ``(batch, 1, 1, L)`` tensor (``0`` or
+Masks: ``bias`` is ``None`` or an additive ``(batch, 1, 1, Lk)`` tensor (``0`` or
 ``-inf``, the key padding mask) in the inputs' dtype; ``is_causal`` is the square,
-top-left-aligned causal mask. Rows whose keys are all masked are the caller's to
-mark: the fused kernels report ``lse = 0`` for them, and the backward expects
-``lse = +inf`` there (which makes every probability of the row 0).
+top-left-aligned causal mask (``Lq == Lk``). Rows whose keys are all masked are
+the caller's to mark: the fused kernels report ``lse = 0`` for them, and the
+backward expects ``lse = +inf`` there (which makes every probability of the row 0).
+``dropout`` is ``None`` or a :class:`dilated_attention.dropout.DropoutMask`.
 
 Three kernels share this interface:
 
-- ``cpu_flash``: PyTorch's fused CPU flash-attention ops (any float dtype).
-- ``cuda_efficient``: PyTorch's fused CUDA memory-efficient ops (fp32, fp16, bf16).
-- ``math``: explicit matmul + softmax in fp32/fp64, any device. It is used where
-  the fused ops cannot do the job: ``dropout_p > 0`` (the CPU flash op has no
-  dropout, and a dropout mask must be regenerated exactly in backward: here it is
-  drawn from a generator seeded per call), and float64 on CUDA. It materialises the
-  ``(L, L)`` score matrix of each segment, so it is slower and uses more memory.
+- ``CpuFlashKernel``: PyTorch's fused CPU flash-attention ops (any float dtype).
+- ``CudaEfficientKernel``: PyTorch's fused CUDA memory-efficient ops (fp32, fp16, bf16).
+- ``MathKernel``: explicit matmul + softmax in fp32/fp64, any device. It serves
+  what the fused ops cannot: dropout (neither fused op takes an external mask that
+  backward can regenerate) and float64 on CUDA. It forms the score matrix in
+  chunks of query rows of at most :data:`MATH_CHUNK_ELEMENTS` scores, so its
+  temporaries stay bounded however long a segment is.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
+from .dropout import DropoutMask
+from .intmath import round_up
+
 _aten = torch.ops.aten
 
+# Scores the unfused kernel forms at once (query rows x keys x batch x heads).
+MATH_CHUNK_ELEMENTS = 2**22
 
-def _dropout_scale(shape, dropout_p: float, seed: int, device, dtype) -> torch.Tensor:
-    """Keep-mask divided by ``1 - p``, drawn from a generator seeded with ``seed``."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    keep = torch.rand(shape, generator=gen, device=device, dtype=dtype) >= dropout_p
-    return keep.to(dtype) / (1.0 - dropout_p)
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64, else float32: the dtype results are accumulated and LSEs
+    reported in, for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _query_chunks(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
+    """Consecutive query rows whose scores against all keys fit :data:`MATH_CHUNK_ELEMENTS`."""
+    length = q.shape[2]
+    step = max(1, MATH_CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * k.shape[2]))
+    return [slice(start, min(start + step, length)) for start in range(0, length, step)]
 
 
 class MathKernel:
     """Explicit softmax attention; supports dropout and every device and dtype."""
 
-    name = "math"
-
     @staticmethod
-    def _scores(q, k, bias, is_causal, scale):
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    def _scores(q, k, bias, is_causal, scale, rows: slice):
+        """Scores of query ``rows`` against the keys they may see, and those keys' slice.
+        With ``is_causal`` the keys after the chunk's last row are left out."""
+        keys = slice(0, min(rows.stop, k.shape[2]) if is_causal else k.shape[2])
+        acc = accumulator(q.dtype)
+        s = torch.matmul(q[:, :, rows].to(acc), k[:, :, keys].to(acc).transpose(-1, -2)) * scale
         if bias is not None:
-            s = s + bias.to(acc)
+            s = s + bias[..., keys].to(acc)
         if is_causal:
-            n = s.shape[-1]
-            upper = torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1)
-            s = s.masked_fill(upper, -math.inf)
-        return s
+            query = torch.arange(rows.start, rows.stop, device=s.device)[:, None]
+            key = torch.arange(keys.stop, device=s.device)[None, :]
+            s = s.masked_fill(key > query, -math.inf)
+        return s, keys
 
     @staticmethod
-    def forward(q, k, v, bias, is_causal, scale, dropout_p=0.0, seed=0):
-        s = MathKernel._scores(q, k, bias, is_causal, scale)
-        lse = torch.logsumexp(s, dim=-1)
-        finite_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-        p = torch.exp(s - finite_lse.unsqueeze(-1))
-        if dropout_p > 0:
-            p = p * _dropout_scale(p.shape, dropout_p, seed, p.device, p.dtype)
-        out = torch.matmul(p, v.to(p.dtype))
+    def forward(q, k, v, bias, is_causal, scale, dropout: Optional[DropoutMask] = None):
+        acc = accumulator(q.dtype)
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=acc)
+        lse = q.new_empty(q.shape[:-1], dtype=acc)
+        for rows in _query_chunks(q, k):
+            s, keys = MathKernel._scores(q, k, bias, is_causal, scale, rows)
+            lse[:, :, rows] = torch.logsumexp(s, dim=-1)
+            finite = lse[:, :, rows].masked_fill(torch.isneginf(lse[:, :, rows]), 0.0)
+            p = torch.exp(s - finite.unsqueeze(-1))
+            if dropout is not None:
+                p = p * dropout.multiplier(rows, keys, acc)
+            out[:, :, rows] = torch.matmul(p, v[:, :, keys].to(acc))
         return out.to(q.dtype), lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout_p=0.0, seed=0):
-        s = MathKernel._scores(q, k, bias, is_causal, scale)
-        acc = s.dtype
-        p = torch.exp(s - lse.to(acc).unsqueeze(-1))
-        dout = dout.to(acc)
-        dp = torch.matmul(dout, v.to(acc).transpose(-1, -2))
-        p_used = p
-        if dropout_p > 0:
-            z = _dropout_scale(p.shape, dropout_p, seed, p.device, acc)
-            p_used = p * z
-            dp = dp * z
-        dv = torch.matmul(p_used.transpose(-1, -2), dout)
-        delta = (dout * out.to(acc)).sum(-1, keepdim=True)
-        ds = p * (dp - delta)
-        dq = torch.matmul(ds, k.to(acc)) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
+    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout: Optional[DropoutMask] = None):
+        acc = accumulator(q.dtype)
+        dq = torch.empty(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for rows in _query_chunks(q, k):
+            s, keys = MathKernel._scores(q, k, bias, is_causal, scale, rows)
+            p = torch.exp(s - lse[:, :, rows].to(acc).unsqueeze(-1))
+            grad = dout[:, :, rows].to(acc)
+            dp = torch.matmul(grad, v[:, :, keys].to(acc).transpose(-1, -2))
+            kept = p
+            if dropout is not None:
+                z = dropout.multiplier(rows, keys, acc)
+                kept, dp = p * z, dp * z
+            dv[:, :, keys] += torch.matmul(kept.transpose(-1, -2), grad)
+            delta = (grad * out[:, :, rows].to(acc)).sum(-1, keepdim=True)
+            ds = p * (dp - delta) * scale
+            dq[:, :, rows] = torch.matmul(ds, k[:, :, keys].to(acc))
+            dk[:, :, keys] += torch.matmul(ds.transpose(-1, -2), q[:, :, rows].to(acc))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _positive_scale(q: torch.Tensor, scale: float, is_causal: bool):
+    """``(q', scale', sign)`` with ``scale' > 0`` and ``q' * scale' = q * scale``.
+
+    The fused kernels scale scores after applying their causal mask, so a scale
+    ``<= 0`` would turn masked scores into NaN: a negative scale moves its sign into
+    ``q``, and a zero scale becomes ``q' = 0`` with scale 1. ``dq = sign * dq'``."""
+    if not is_causal or scale > 0:
+        return q, scale, 1.0
+    if scale < 0:
+        return -q, -scale, -1.0
+    return torch.zeros_like(q), 1.0, 0.0
 
 
 class CpuFlashKernel:
     """PyTorch's fused CPU flash attention (no dropout)."""
 
-    name = "cpu_flash"
-
     @staticmethod
-    def forward(q, k, v, bias, is_causal, scale, dropout_p=0.0, seed=0):
+    def forward(q, k, v, bias, is_causal, scale, dropout=None):
+        q, scale, _ = _positive_scale(q, scale, is_causal)
         return _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
         )
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout_p=0.0, seed=0):
-        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout=None):
+        q, scale, sign = _positive_scale(q, scale, is_causal)
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale
         )
+        return (dq if sign == 1.0 else dq * sign), dk, dv
+
+
+# Alignments of PyTorch's fused CUDA memory-efficient kernels, in elements.
+CUDA_HEAD_DIM_ALIGNMENT = 8  # of the head dim
+CUDA_BIAS_ALIGNMENT = 16  # of a bias row's start
+CUDA_LSE_ALIGNMENT = 32  # of the LSE width its backward expects (CUDA, not ROCm)
 
 
 def _cuda_bias(bias, heads, q_len, k_len):
     """Expand a ``(batch, 1, 1, Lk)`` bias to ``(batch, heads, Lq, Lk)`` with the row
-    start aligned to 16 elements, as the memory-efficient kernel requires."""
+    start aligned as the memory-efficient kernel requires."""
     if bias is None:
         return None
-    padded = -(-k_len // 16) * 16
-    storage = bias.new_zeros(bias.shape[0], 1, 1, padded)
+    storage = bias.new_zeros(bias.shape[0], 1, 1, round_up(k_len, CUDA_BIAS_ALIGNMENT))
     storage[..., :k_len] = bias
     return storage[..., :k_len].expand(bias.shape[0], heads, q_len, k_len)
 
 
 def _pad_head_dim(*tensors):
-    """Zero-pad the last dim to a multiple of 8, the alignment of the fused CUDA
-    kernels; zeros change neither ``q @ k^T`` nor the kept columns of the output."""
+    """Zero-pad the last dim to the fused CUDA kernels' alignment; zeros change
+    neither ``q @ k^T`` nor the kept columns of the output."""
     dim = tensors[0].shape[-1]
-    pad = -dim % 8
+    pad = round_up(dim, CUDA_HEAD_DIM_ALIGNMENT) - dim
     return [torch.nn.functional.pad(t, (0, pad)) if pad else t for t in tensors]
 
 
 def _cuda_lse_width(length: int) -> int:
     """Width of the LSE the CUDA memory-efficient kernel works with."""
-    return length if torch.version.hip else -(-length // 32) * 32
+    return length if torch.version.hip else round_up(length, CUDA_LSE_ALIGNMENT)
 
 
 class CudaEfficientKernel:
     """PyTorch's fused CUDA memory-efficient attention (no dropout). The scale is
     always passed explicitly, so padding the head dim does not change it."""
 
-    name = "cuda_efficient"
-
     @staticmethod
-    def forward(q, k, v, bias, is_causal, scale, dropout_p=0.0, seed=0):
+    def forward(q, k, v, bias, is_causal, scale, dropout=None):
         dim, length = q.shape[-1], q.shape[2]
+        q, scale, _ = _positive_scale(q, scale, is_causal)
         qp, kp, vp = _pad_head_dim(q, k, v)
         out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
             qp, kp, vp, _cuda_bias(bias, q.shape[1], length, k.shape[2]), True, 0.0, is_causal, scale=scale
@@ -150,8 +190,9 @@ class CudaEfficientKernel:
         return out[..., :dim], lse[..., :length]
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout_p=0.0, seed=0):
+    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout=None):
         dim, length = q.shape[-1], q.shape[2]
+        q, scale, sign = _positive_scale(q, scale, is_causal)
         lse_padded = lse.new_full((*lse.shape[:-1], _cuda_lse_width(length)), math.inf, dtype=torch.float32)
         lse_padded[..., :length] = lse
         no_rng = torch.empty((), dtype=torch.int64)
@@ -159,7 +200,8 @@ class CudaEfficientKernel:
             *_pad_head_dim(dout, q, k, v), _cuda_bias(bias, q.shape[1], length, k.shape[2]), *_pad_head_dim(out),
             lse_padded, no_rng, no_rng, 0.0, [True, True, True, False], is_causal, scale=scale,
         )
-        return dq[..., :dim], dk[..., :dim], dv[..., :dim]
+        dq = dq[..., :dim]
+        return (dq if sign == 1.0 else dq * sign), dk[..., :dim], dv[..., :dim]
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float):

@@ -12,10 +12,24 @@ from . import validation
 from .functional import dilated_attention
 
 
-class DilatedAttention(nn.Module):
-    """Dilated attention over ``(B, N, H, D)`` tensors, with no parameters.
+def _refuse_mismatch(module: nn.Module, saved: dict, mine: dict) -> None:
+    """Raise ``ValueError`` if a checkpoint's configuration differs from the module's."""
+    for name, value in mine.items():
+        if name not in saved or saved[name] != value:
+            raise ValueError(
+                f"cannot load a state_dict saved from a {type(module).__name__} with {name}="
+                f"{saved.get(name, 'missing')!r} into one with {name}={value!r}: build the module "
+                "with the checkpoint's configuration"
+            )
 
-    Dropout on the attention probabilities is applied only in training mode.
+
+class DilatedAttention(nn.Module):
+    """Dilated attention over ``(B, N, H, D)`` tensors (``layout="bhnd"``: ``(B, H, N, D)``),
+    with no parameters.
+
+    Dropout on the attention probabilities is applied only in training mode. The
+    branches, mode and scale are stored in the ``state_dict`` (as extra state), and
+    loading one saved with others raises ``ValueError``.
     See :func:`dilated_attention.dilated_attention` for the arguments.
     """
 
@@ -27,14 +41,16 @@ class DilatedAttention(nn.Module):
         mode: str = "mixture",
         softmax_scale: Optional[float] = None,
         dropout: float = 0.0,
+        layout: str = "bnhd",
     ):
         super().__init__()
         self.segment_lengths, self.dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
         self.mode = validation.check_mode(mode)
         if softmax_scale is not None:
-            validation.check_scale(softmax_scale, 1)
+            softmax_scale = validation.check_scale(softmax_scale, 1)
         self.softmax_scale = softmax_scale
         self.dropout = validation.check_dropout(dropout, "dropout")
+        self.layout = validation.check_layout(layout)
 
     def forward(
         self,
@@ -45,8 +61,9 @@ class DilatedAttention(nn.Module):
         key_padding_mask: Optional[torch.Tensor] = None,
         process_group=None,
     ) -> torch.Tensor:
-        """``q, k, v`` ``(B, N, H, D)`` -> ``(B, N, H, D)``; with ``process_group``,
-        this rank's shard of the sequence (see :func:`dilated_attention.dilated_attention`)."""
+        """``q, k, v`` ``(B, N, H, D)`` -> ``(B, N, H, D)`` (or ``(B, H, N, D)`` with
+        ``layout="bhnd"``); with ``process_group``, this rank's shard of the sequence
+        (see :func:`dilated_attention.dilated_attention`)."""
         return dilated_attention(
             q,
             k,
@@ -58,21 +75,38 @@ class DilatedAttention(nn.Module):
             softmax_scale=self.softmax_scale,
             dropout_p=self.dropout if self.training else 0.0,
             key_padding_mask=key_padding_mask,
+            layout=self.layout,
             process_group=process_group,
         )
+
+    def get_extra_state(self) -> dict:
+        return {
+            "segment_lengths": list(self.segment_lengths),
+            "dilation_rates": list(self.dilation_rates),
+            "mode": self.mode,
+            "softmax_scale": self.softmax_scale,
+        }
+
+    def set_extra_state(self, state) -> None:
+        _refuse_mismatch(self, dict(state), self.get_extra_state())
 
     def extra_repr(self) -> str:
         return (
             f"segment_lengths={list(self.segment_lengths)}, dilation_rates={list(self.dilation_rates)}, "
-            f"mode={self.mode!r}, softmax_scale={self.softmax_scale}, dropout={self.dropout}"
+            f"mode={self.mode!r}, softmax_scale={self.softmax_scale}, dropout={self.dropout}, layout={self.layout!r}"
         )
 
 
 class MultiheadDilatedAttention(nn.Module):
-    """Multi-head dilated self-attention on batch-first ``(B, N, embed_dim)`` inputs.
+    """Multi-head dilated self-attention on ``(B, N, embed_dim)`` inputs, or
+    ``(N, B, embed_dim)`` with ``batch_first=False``.
 
-    ``q, k, v`` projections, :class:`DilatedAttention`, then (with ``sub_layernorm``)
-    MAGNETO's LayerNorm before the output projection.
+    Unlike ``nn.MultiheadAttention``, ``batch_first`` defaults to ``True``, as everywhere
+    in this library; pass ``batch_first=False`` for sequence-first tensors. ``q, k, v``
+    projections, :class:`DilatedAttention`, then (with ``sub_layernorm``) MAGNETO's
+    LayerNorm before the output projection. ``num_heads`` and the attention's
+    configuration are stored in the ``state_dict``; loading one saved with others
+    raises ``ValueError``.
 
     Initialisation (MAGNETO, Wang et al. 2022): ``q_proj`` and ``k_proj`` weights
     are Xavier-normal with gain 1; ``v_proj`` and ``out_proj`` weights Xavier-normal
@@ -93,10 +127,12 @@ class MultiheadDilatedAttention(nn.Module):
         sub_layernorm: bool = True,
         layer_norm_eps: float = 1e-5,
         gamma_init: float = 1.0,
+        batch_first: bool = True,
         device=None,
         dtype=None,
     ):
         super().__init__()
+        self.batch_first = validation.check_flag(batch_first, "batch_first")
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -134,6 +170,12 @@ class MultiheadDilatedAttention(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
 
+    def get_extra_state(self) -> dict:
+        return {"num_heads": self.num_heads}
+
+    def set_extra_state(self, state) -> None:
+        _refuse_mismatch(self, dict(state), self.get_extra_state())
+
     def forward(
         self,
         query: torch.Tensor,
@@ -145,7 +187,9 @@ class MultiheadDilatedAttention(nn.Module):
         process_group=None,
     ) -> tuple[torch.Tensor, None]:
         """``query`` (and ``key``, ``value``, which default to it) ``(B, N, embed_dim)``
-        -> ``(output (B, N, embed_dim), None)``, like ``nn.MultiheadAttention``.
+        (``(N, B, embed_dim)`` with ``batch_first=False``) -> ``(output, None)`` in the
+        same layout, like ``nn.MultiheadAttention``. ``key_padding_mask``: bool
+        ``(B, N)``, ``True`` = padding, in either layout.
 
         With ``process_group`` the inputs are this rank's shard of the sequence; the
         projections and the LayerNorm act per token, so the output is this rank's
@@ -160,14 +204,24 @@ class MultiheadDilatedAttention(nn.Module):
             )
         key = query if key is None else key
         value = query if value is None else value
+        dims = "(batch, seq_len, " if self.batch_first else "(seq_len, batch, "
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(t)}")
             if t.dim() != 3 or t.shape[-1] != self.embed_dim:
                 raise ValueError(
-                    f"{name} must have shape (batch, seq_len, embed_dim={self.embed_dim}) "
-                    f"(batch first), got {tuple(t.shape)}"
+                    f"{name} must have shape {dims}embed_dim={self.embed_dim}) with "
+                    f"batch_first={self.batch_first}, got {tuple(t.shape)}"
                 )
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        mask = key_padding_mask
+        if isinstance(mask, torch.Tensor) and tuple(mask.shape) != tuple(query.shape[:2]):
+            raise ValueError(
+                f"key_padding_mask must have shape (batch, seq_len) = {tuple(query.shape[:2])}, got "
+                f"{tuple(mask.shape)}; the query was read as {dims}embed_dim) (batch_first="
+                f"{self.batch_first}): is that its layout?"
+            )
         heads = (self.num_heads, self.embed_dim // self.num_heads)
         q = self.q_proj(query).unflatten(-1, heads)
         k = self.k_proj(key).unflatten(-1, heads)
@@ -177,4 +231,5 @@ class MultiheadDilatedAttention(nn.Module):
         ).flatten(-2)
         if self.norm is not None:
             x = self.norm(x)
-        return self.out_proj(x), None
+        out = self.out_proj(x)
+        return (out if self.batch_first else out.transpose(0, 1)), None

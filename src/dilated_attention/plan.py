@@ -14,10 +14,13 @@ segments folded into the batch dimension. Nothing here copies data.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
+
+from .intmath import ceil_div
 
 MODES = ("mixture", "head_groups")
 
@@ -44,7 +47,7 @@ class Block:
     @property
     def rows(self) -> int:
         """Selected rows per segment: ``ceil((seglen - offset) / rate)``."""
-        return -(-(self.seglen - self.offset) // self.rate)
+        return ceil_div(self.seglen - self.offset, self.rate)
 
     @property
     def head_count(self) -> int:
@@ -68,6 +71,13 @@ class Block:
         seg = x.narrow(1, self.start, self.nseg * self.seglen).unflatten(1, (self.nseg, self.seglen))
         rows = seg[:, :, self.offset :: self.rate]
         return rows if x.dim() == 2 else rows[:, :, :, self.heads]
+
+    def positions(self, first_position: int, device=None) -> torch.Tensor:
+        """Positions in the sequence of the block's rows, ``(nseg, rows)`` int64, when
+        the tensors it selects from start at sequence position ``first_position``."""
+        segment = torch.arange(self.nseg, device=device) * self.seglen
+        row = torch.arange(self.rows, device=device) * self.rate
+        return first_position + self.start + self.offset + segment[:, None] + row[None, :]
 
 
 def head_group_bounds(num_heads: int, num_groups: int) -> list[tuple[int, int]]:
@@ -96,7 +106,9 @@ def branch_head_sets(num_heads: int, dilation_rates: Sequence[int], mode: str) -
     """Per branch, its ``(offset, heads)`` pairs: in ``mixture`` the heads of offset
     ``o`` are ``o::r``; in ``head_groups`` branch ``i`` has its group at offset ``i % r_i``."""
     if mode == "mixture":
-        return [[(o, slice(o, num_heads, r)) for o in range(min(r, num_heads))] for r in dilation_rates]
+        return [
+            [(o, slice(o, num_heads, min(r, num_heads))) for o in range(min(r, num_heads))] for r in dilation_rates
+        ]
     bounds = head_group_bounds(num_heads, len(dilation_rates))
     return [[(i % r, slice(*bounds[i]))] for i, r in enumerate(dilation_rates)]
 
@@ -156,18 +168,26 @@ class ShardPlan:
     process; ``sends``: per peer, the rows of this shard that peer's queries need;
     ``receives``: per peer, that peer's rows and the local query block that attends to
     them. A peer appears only if it shares a segment with this rank and needs (or
-    has) keys for it; lists are in the same order on both sides of each pair."""
+    has) keys for it; lists are in the same order on both sides of each pair.
+    ``starts``: every shard's first sequence position; ``rank``: this rank."""
 
     blocks: tuple[Block, ...]
     sends: tuple[tuple[int, tuple[Rows, ...]], ...]
     receives: tuple[tuple[int, tuple[tuple[Rows, Block], ...]], ...]
+    starts: tuple[int, ...]
+    rank: int
+
+    @property
+    def first_position(self) -> int:
+        """The sequence position of this rank's first row."""
+        return self.starts[self.rank]
 
 
 def _selected_rows(first: int, stop: int, segment_start: int, offset: int, rate: int) -> tuple[int, int]:
     """For positions ``[first, stop)`` of a segment starting at ``segment_start``: the
     offset, relative to ``first``, of the first selected one and how many are selected."""
     local_offset = (offset - (first - segment_start)) % rate
-    return local_offset, max(0, -(-(stop - first - local_offset) // rate))
+    return local_offset, max(0, ceil_div(stop - first - local_offset, rate))
 
 
 def make_shard_plan(
@@ -180,12 +200,12 @@ def make_shard_plan(
     is_causal: bool,
 ) -> ShardPlan:
     """The plan of rank ``rank`` when rank ``k`` holds the ``k``-th contiguous shard of
-    lengths ``shard_lengths``. Segments inside the shard become local blocks as on one
+    lengths ``shard_lengths`` (each at least 1). Segments inside the shard become local blocks as on one
     process; a segment that crosses shard boundaries contributes its local part as a
     local block (square, causal if asked) plus one exchange with each peer holding
     another part: a query attends to a peer's selected rows in full, and with
     ``is_causal`` only to those of earlier ranks (later ranks' rows all follow it)."""
-    starts = [sum(shard_lengths[:k]) for k in range(len(shard_lengths))]
+    starts = [0, *itertools.accumulate(shard_lengths)][:-1]
     seq_len = sum(shard_lengths)
     lo, hi = starts[rank], starts[rank] + shard_lengths[rank]
     head_sets = branch_head_sets(num_heads, dilation_rates, mode)
@@ -194,26 +214,35 @@ def make_shard_plan(
     sends: dict[int, list[Rows]] = {}
     receives: dict[int, list[tuple[Rows, Block]]] = {}
     for i in order:
-        w, r = segment_lengths[i], dilation_rates[i]
+        # A segment longer than the sequence is the whole sequence, and a step longer
+        # than a segment selects one row of it: clamping both changes nothing, and
+        # keeps huge values away from tensor indexing.
+        w = min(segment_lengths[i], seq_len)
+        r = min(dilation_rates[i], w)
         fresh = mode == "head_groups" or i == order[0]
-        if hi == lo:
-            continue
         first_seg, last_seg = lo // w, (hi - 1) // w
-        inner = [s for s in range(first_seg, last_seg + 1) if s * w >= lo and min((s + 1) * w, seq_len) <= hi]
-        if inner:
-            inner_start, inner_stop = inner[0] * w, min((inner[-1] + 1) * w, seq_len)
+        # Segments wholly inside the shard: [inner_first, inner_last]; at most the
+        # first and the last segment touching the shard cross its boundaries.
+        inner_first = ceil_div(lo, w)
+        inner_last = last_seg if hi == seq_len else hi // w - 1
+        if inner_first <= inner_last:
+            inner_start, inner_stop = inner_first * w, min((inner_last + 1) * w, seq_len)
             for start, nseg, seglen in _segment_groups(inner_stop - inner_start, w):
                 for offset, heads in head_sets[i]:
                     if offset < seglen:
                         blocks.append(Block(i, inner_start - lo + start, nseg, seglen, r, offset, heads, fresh))
-        for seg in (s for s in range(first_seg, last_seg + 1) if s not in inner):
+        for seg in sorted({first_seg, last_seg}):
+            if inner_first <= seg <= inner_last:
+                continue
             seg_lo, seg_hi = seg * w, min((seg + 1) * w, seq_len)
             mine = (max(seg_lo, lo), min(seg_hi, hi))
             peers = [
                 k for k in range(len(shard_lengths))
-                if k != rank and shard_lengths[k] and starts[k] < seg_hi and starts[k] + shard_lengths[k] > seg_lo
+                if k != rank and starts[k] < seg_hi and starts[k] + shard_lengths[k] > seg_lo
             ]
             for offset, heads in head_sets[i]:
+                if offset >= w:  # no position of a segment has this offset (r was clamped to w)
+                    continue
                 my_offset, my_rows = _selected_rows(*mine, seg_lo, offset, r)
                 if not my_rows:
                     continue
@@ -233,6 +262,8 @@ def make_shard_plan(
         tuple(blocks),
         tuple((peer, tuple(rows)) for peer, rows in sorted(sends.items())),
         tuple((peer, tuple(pairs)) for peer, pairs in sorted(receives.items())),
+        tuple(starts),
+        rank,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .files import atomic_write
+
 
 def pyplot():
     """``matplotlib.pyplot`` on the non-interactive Agg backend, or a clear error."""
@@ -15,10 +17,14 @@ def pyplot():
     return plt
 
 
-def save(fig, path: str, title: str, fontsize: int = 9) -> None:
-    """Title the figure, write it to ``path`` as PNG and release it."""
+def save(fig, path: str, title: str, fontsize: int = 9, caption: str = "") -> None:
+    """Title the figure, put ``caption`` (if any) under it, write it to ``path`` as
+    PNG (atomically) and release it."""
     plt = pyplot()
     fig.suptitle(title, fontsize=fontsize)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if caption:
+        fig.text(0.5, 0, caption, ha="center", va="top", fontsize=fontsize - 1, wrap=True)
+    with atomic_write(path, binary=True) as f:
+        fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from .plan import head_group_bounds
+from .validation import check_attention, check_branches, check_head_groups, check_mode
 
 
 def branch_pattern(
@@ -25,7 +26,11 @@ def branch_pattern(
     A position is *selected* when its relative position ``t = p - s*w`` in its
     segment ``s = p // w`` has ``t % r == offset``; selected queries see the
     selected keys of their own segment (and, if causal, only keys ``<= p``).
+    ``w > N`` is the same as ``w = N``, and ``t % r = t % min(r, w)`` for ``t < w``:
+    both are clamped so that any Python int works.
     """
+    w = min(w, seq_len)
+    r = min(r, w)
     pos = torch.arange(seq_len)
     segment, relative = pos // w, pos % w
     selected = (relative[None, :] % r) == offsets[:, None]  # (H, N)
@@ -41,7 +46,7 @@ def branch_offsets(num_heads: int, segment_lengths, dilation_rates, mode: str) -
     result = []
     if mode == "mixture":
         for r in dilation_rates:
-            result.append(torch.arange(num_heads) % r)
+            result.append(torch.tensor([j % r for j in range(num_heads)]))
     else:
         for i, ((start, stop), r) in enumerate(
             zip(head_group_bounds(num_heads, len(segment_lengths)), dilation_rates)
@@ -95,30 +100,53 @@ def reference_dilated_attention(
     key_padding_mask: Optional[torch.Tensor] = None,
 ):
     """Dense float64 dilated attention. Same arguments as
-    :func:`dilated_attention.dilated_attention` (no dropout).
+    :func:`dilated_attention.dilated_attention` (no dropout, ``(B, N, H, D)`` only),
+    validated the same way.
 
     Returns ``(out, lse)``: ``out`` ``(B, N, H, D)`` float64 and ``lse`` ``(B, N, H)``
     float64, computed in float64 whatever the input dtype.
+
+    Non-finite inputs follow ``docs/definition.md``: padded keys have no effect
+    whatever they hold; a NaN or infinity in a query row, or in the key or value row
+    of an unpadded key the query attends to, makes that query's output and LSE NaN
+    (if it attends to anything); other rows are computed as if those rows were 0.
     """
+    call = check_attention(
+        q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask
+    )
+    return _dense_dilated_attention(
+        q, k, v, call.segment_lengths, call.dilation_rates, call.mode, call.is_causal, call.scale, call.padding
+    )
+
+
+def _dense_dilated_attention(q, k, v, segment_lengths, dilation_rates, mode, is_causal, scale, padding):
+    """:func:`reference_dilated_attention` on valid arguments; ``v`` may have its own
+    last dim."""
     q, k, v = (t.to(torch.float64).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
-    batch, num_heads, seq_len, head_dim = q.shape
-    scale = head_dim**-0.5 if softmax_scale is None else softmax_scale
+    batch, num_heads, seq_len, _ = q.shape
     key_ok = torch.ones(batch, seq_len, dtype=torch.bool, device=q.device)
-    if key_padding_mask is not None:
-        key_ok = ~key_padding_mask.to(q.device)
+    if padding is not None:
+        key_ok = ~padding
+    bad_q = ~torch.isfinite(q).all(-1)  # (B, H, N)
+    bad_key = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1)) & key_ok[:, None, :]
+    cleared = (bad_key | ~key_ok[:, None, :]).unsqueeze(-1)
+    k, v = k.masked_fill(cleared, 0.0), v.masked_fill(cleared, 0.0)
     outs, lses = [], []
+    reached = torch.zeros_like(bad_q)
     offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode)
     for w, r, offs in zip(segment_lengths, dilation_rates, offsets):
         pattern = branch_pattern(seq_len, w, r, offs, is_causal).to(q.device)  # (H, N, N)
         allowed = pattern[None] & key_ok[:, None, None, :]
-        out, lse = _masked_softmax_attention(q, k, v, allowed, scale)
+        out, lse = _masked_softmax_attention(q.masked_fill(bad_q.unsqueeze(-1), 0.0), k, v, allowed, scale)
         outs.append(out)
         lses.append(lse)
+        reached |= (allowed & bad_key[:, :, None, :]).any(-1) | (bad_q & allowed.any(-1))
     if mode == "mixture":
         out, lse = _mix(outs, lses)
     else:  # head groups never overlap: each head has one branch's result
         out = sum(outs) / len(segment_lengths)
         lse = torch.stack(lses).amax(0)
+    out, lse = out.masked_fill(reached.unsqueeze(-1), math.nan), lse.masked_fill(reached, math.nan)
     return out.transpose(1, 2), lse.transpose(1, 2)
 
 
@@ -136,9 +164,12 @@ def attention_weights_uniform(
     how the branches share the softmax; in ``head_groups`` each row is its group's
     branch alone (scaled by ``1 / G``). Rows that attend to nothing are 0.
     """
+    segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
+    if check_mode(mode) == "head_groups":
+        check_head_groups(num_heads, len(segment_lengths))
     zeros = torch.zeros(1, seq_len, num_heads, 1, dtype=torch.float64)
     values = torch.eye(seq_len, dtype=torch.float64)[None, :, None, :].expand(1, seq_len, num_heads, seq_len)
-    out, _ = reference_dilated_attention(
-        zeros, zeros, values, segment_lengths, dilation_rates, mode=mode, is_causal=is_causal
+    out, _ = _dense_dilated_attention(
+        zeros, zeros, values, segment_lengths, dilation_rates, mode, is_causal, 1.0, None
     )
     return out[0].transpose(0, 1)  # (H, N, N): row p = weights of query p over keys

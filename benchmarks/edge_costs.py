@@ -1,0 +1,105 @@
+"""What the unusual configurations cost: tiny segments, and dropout.
+
+    python3 benchmarks/edge_costs.py [--threads 2] [--skip-large-dropout]
+
+1. Tiny segments (``w = 1``, ``N = 102400``, and ``w = [1, 2, 4]``): the time to
+   plan, the forward's time, and the share of it spent inside PyTorch's fused
+   attention op (from ``torch.profiler``).
+2. Dropout (the unfused kernel, position-keyed masks) against the fused path
+   without dropout: forward time and the peak memory the forward adds, at one
+   8192-long segment and at ``N = 32768`` with ``w = 8192``.
+
+float32, B = 1, H = 8, D = 64. Writes benchmarks/results/edge-costs-<device>.json
+and .txt.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from dilated_attention import dilated_attention
+from dilated_attention.benchmark import PeakMemory, machine_info
+from dilated_attention.files import atomic_write
+from dilated_attention.plan import make_plan
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HEADS, HEAD_DIM = 8, 64
+
+
+def inputs(seq_len: int):
+    return [torch.randn(1, seq_len, HEADS, HEAD_DIM) for _ in range(3)]
+
+
+def tiny_segments(seq_len: int, segs, rates) -> dict:
+    """Plan time, forward time, and the fused op's share of the forward."""
+    q, k, v = inputs(seq_len)
+    start = time.perf_counter()
+    make_plan(seq_len, HEADS, segs, rates, "mixture")
+    plan_s = time.perf_counter() - start
+    with torch.no_grad():
+        dilated_attention(q, k, v, segs, rates)  # warm-up
+        start = time.perf_counter()
+        dilated_attention(q, k, v, segs, rates)
+        forward_s = time.perf_counter() - start
+        with torch.profiler.profile() as prof:
+            dilated_attention(q, k, v, segs, rates)
+    events = prof.key_averages()
+    kernel = sum(e.self_cpu_time_total for e in events if "flash_attention" in e.key)
+    total = sum(e.self_cpu_time_total for e in events)
+    return dict(seq_len=seq_len, segment_lengths=segs, dilation_rates=rates, plan_ms=1e3 * plan_s,
+                forward_ms=1e3 * forward_s, kernel_share=kernel / total)
+
+
+def dropout_cost(seq_len: int, w: int, dropout_p: float) -> dict:
+    """Forward time and the peak memory it adds (output excluded)."""
+    q, k, v = inputs(seq_len)
+    with torch.no_grad(), PeakMemory(torch.device("cpu")) as peak:
+        start = time.perf_counter()
+        out = dilated_attention(q, k, v, [w], [1], dropout_p=dropout_p)
+        seconds = time.perf_counter() - start
+    added = peak.added - out.numel() * out.element_size()
+    return dict(seq_len=seq_len, w=w, dropout_p=dropout_p, forward_s=seconds, peak_added_mib=added / 2**20,
+                qkv_mib=3 * q.numel() * q.element_size() / 2**20)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: 2)")
+    parser.add_argument("--skip-large-dropout", action="store_true",
+                        help="skip the N = 32768 dropout run, about a minute (default: run it)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    lines = []
+
+    def say(text=""):
+        print(text, flush=True)
+        lines.append(text)
+
+    say(f"edge costs on cpu ({machine_info(torch.device('cpu'))['cpu']}), {args.threads} threads, "
+        f"float32, B=1 H={HEADS} D={HEAD_DIM}")
+    say("\ntiny segments: plan, forward, share of the forward inside the fused attention op")
+    tiny = [tiny_segments(102400, [1], [1]), tiny_segments(102400, [1, 2, 4], [1, 1, 2])]
+    for row in tiny:
+        say(f"  N={row['seq_len']} w={row['segment_lengths']} r={row['dilation_rates']}: plan "
+            f"{row['plan_ms']:.2f} ms, forward {row['forward_ms']:.0f} ms, fused op {row['kernel_share']:.0%}")
+    say("\ndropout: forward time and peak memory added (q, k, v for scale)")
+    runs = [(8192, 8192)] + ([] if args.skip_large_dropout else [(32768, 8192)])
+    dropout = [dropout_cost(n, w, p) for n, w in runs for p in (0.0, 0.1)]
+    for row in dropout:
+        say(f"  N={row['seq_len']} w={row['w']} dropout_p={row['dropout_p']}: forward {row['forward_s']:.1f} s, "
+            f"added {row['peak_added_mib']:.0f} MiB (q, k, v: {row['qkv_mib']:.0f} MiB)")
+    stem = os.path.join(HERE, "results", "edge-costs-cpu")
+    with atomic_write(stem + ".json") as f:
+        json.dump({"machine": machine_info(torch.device("cpu")), "tiny_segments": tiny, "dropout": dropout}, f, indent=1)
+    with atomic_write(stem + ".txt") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {stem}.json and {stem}.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
