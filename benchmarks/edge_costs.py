@@ -94,7 +94,8 @@ def main() -> int:
             f"added {row['peak_added_mib']:.0f} MiB (q, k, v: {row['qkv_mib']:.0f} MiB)")
     stem = os.path.join(HERE, "results", "edge-costs-cpu")
     with atomic_write(stem + ".json") as f:
-        json.dump({"machine": machine_info(torch.device("cpu")), "tiny_segments": tiny, "dropout": dropout}, f, indent=1)
+        payload = {"machine": machine_info(torch.device("cpu")), "tiny_segments": tiny, "dropout": dropout}
+        json.dump(payload, f, indent=1)
     with atomic_write(stem + ".txt") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {stem}.json and {stem}.txt")

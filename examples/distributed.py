@@ -134,7 +134,7 @@ def main():
             f"B={args.batch} H={args.heads} D={args.head_dim}"
         )
         print(f"{'rank':>4} {'shard':>7} {'fwd+bwd ms':>11} {'inputs MiB':>10} {'peak+ MiB':>10} "
-              f"{'fwd sent':>10} {'fwd recv':>10} {'bwd sent':>10} {'bwd recv':>10} {'out err':>9} {'grad err':>9}")
+              f"{'fwd sent B':>10} {'fwd recv B':>10} {'bwd sent B':>10} {'bwd recv B':>10} {'out err':>9} {'grad err':>9}")
         for f in table:
             print(
                 f"{f['rank']:>4} {f['shard']:>7} {f['ms']:>11.1f} {f['input_bytes'] / 2**20:>10.1f} "

@@ -36,7 +36,7 @@ def test_check_refuses_missing_cuda(capsys):
 
 
 def test_pattern_writes_a_png(tmp_path, capsys):
-    path = tmp_path / "pattern.png"
+    path = tmp_path / "new folder" / "pattern.png"  # created if missing
     args = ["pattern", "--segment-lengths", "8", "16", "--dilation-rates", "1", "2"]
     assert main(args + ["--length", "32", "--heads", "4", "--causal", "--out", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -126,3 +126,27 @@ def test_every_option_says_what_it_does_and_its_default(command, capsys, monkeyp
     for invocation, help_text in options.items():
         what, default = re.fullmatch(r"(.*?) ?(\(default: .+\)|\(required\))?", help_text).groups()
         assert what and default, f"{command} {invocation}: {help_text!r}"
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["bench", "--heads", "0"], "argument --heads: must be >= 1, got 0"),
+        (["bench", "--seq-lens", "4096", "0"], "argument --seq-lens: must be >= 1, got 0"),
+        (["bench", "--max-seconds", "-1"], "argument --max-seconds: must be a number > 0"),
+        (["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "-5", "--heads", "2"],
+         "argument --length: must be >= 1, got -5"),
+    ],
+)
+def test_out_of_range_numbers_are_usage_errors(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_pattern_refuses_a_picture_too_large_to_draw(tmp_path, capsys):
+    args = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "100000", "--heads", "2"]
+    assert main(args + ["--out", str(tmp_path / "p.png")]) == 2
+    assert "too large to draw" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()

@@ -61,3 +61,18 @@ def test_multihead_module_compiles_fullgraph_in_training_with_dropout():
     assert max_relative_error(expected, mha(x, is_causal=True)[0]) > 0.05  # dropout did act
     assert max_relative_error(out, expected) <= 1e-12
     assert max_relative_error(grads, expected_grads) <= 1e-12
+
+
+def test_compiled_function_follows_changing_sequence_lengths():
+    """After the first length, torch.compile traces sizes symbolically; the planner must
+    trace too (fullgraph), and every length give the eager numbers."""
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    for length in (40, 47, 64):
+        (q, k, v), (grad, _), mask = random_inputs(length, 2, length, 3, 4, masked=True)
+        out = compiled(q, k, v, mask)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        expected = attention(q, k, v, mask)
+        expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+        assert max_relative_error(out, expected) <= 1e-12
+        assert max_relative_error(grads, expected_grads) <= 1e-12

@@ -7,6 +7,7 @@ analytic minimum counted from the reference patterns.
 """
 
 import json
+import math
 import os
 import random
 import time
@@ -55,6 +56,10 @@ def run_case(case, rank, world, group):
     q, k, v, grad = (torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4))
     grad_lse = torch.randn(shape[:3], generator=gen)
     mask = (torch.rand(case["batch"], n, generator=gen) < 0.3) if case["masked"] else None
+    for _ in range(case.get("nonfinite", 0)):  # NaN or infinity at random places of q, k, v
+        which, value = (int(torch.randint(3, (), generator=gen)) for _ in range(2))
+        index = tuple(int(torch.randint(size, (), generator=gen)) for size in shape)
+        (q, k, v)[which][index] = (math.nan, math.inf, -math.inf)[value]
     kwargs = dict(mode=case["mode"], is_causal=case["is_causal"], dropout_p=case.get("dropout_p", 0.0), return_lse=True)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(case["seed"])  # the same dropout seed on every rank and in the one-process run
@@ -177,7 +182,7 @@ def make_cases(world, count, seed):
     """Random configurations on ``world`` shards: equal or unequal lengths (some
     shorter than a segment, so segments span several shards), both modes, causal,
     masks, ``w > N``, ``w % r != 0``, dropout (masks must be the one-process ones),
-    shards whose head dim is not unit-stride."""
+    shards whose head dim is not unit-stride, NaN and infinities in the inputs."""
     rng = random.Random(seed)
     cases = []
     for index in range(count):
@@ -198,6 +203,7 @@ def make_cases(world, count, seed):
             seed=rng.randrange(2**31),
             dtype="float32" if index % 4 == 3 else "float64",
             dropout_p=0.3 if index % 3 == 1 else 0.0,
+            nonfinite=rng.choice([0, 0, 1, 3]),
             memory="head_dim_strided" if index % 4 == 2 else "contiguous",
         ))
     return cases

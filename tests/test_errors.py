@@ -133,3 +133,24 @@ def test_layout_is_named_in_errors():
         dilated_attention(q[0], k[0], v[0], [4], [1], layout="bhnd")
     with pytest.raises(ValueError, match=re.escape("(batch, seq_len, heads, head_dim) (layout='bnhd')")):
         dilated_attention(q[0], k[0], v[0], [4], [1])
+
+
+def test_scales_beyond_what_the_compute_dtype_holds():
+    """A scale that rounds to 0 in float32 (where scores of float32 inputs are computed)
+    is a zero scale, causal included; one beyond float32 is refused; beyond float64 too."""
+    q, k, v = qkv((1, 12, 2, 4), torch.float32)
+    for causal in (False, True):
+        tiny = dilated_attention(q, k, v, [4, 8], [1, 2], is_causal=causal, softmax_scale=1e-46)
+        zero = dilated_attention(q, k, v, [4, 8], [1, 2], is_causal=causal, softmax_scale=0.0)
+        assert torch.isfinite(tiny).all() and torch.equal(tiny, zero)
+    with pytest.raises(ValueError, match=re.escape("softmax_scale=1e+39 does not fit float32")):
+        dilated_attention(q, k, v, [4], [1], softmax_scale=1e39)
+    assert torch.isfinite(dilated_attention(q.double(), k.double(), v.double(), [4], [1], softmax_scale=1e39)).all()
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        dilated_attention(q, k, v, [4], [1], softmax_scale=10**400)
+
+
+def test_sparse_inputs_are_refused():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=re.escape("q must be a dense tensor, got layout torch.sparse_coo")):
+        dilated_attention(q.to_sparse(), k, v, [4], [1])

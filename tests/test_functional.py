@@ -75,7 +75,7 @@ def test_gradcheck_finite_differences(mode, is_causal):
 
 
 def test_mixture_is_one_softmax_over_the_union_of_keys():
-    """SPEC: the mixture equals one softmax over all keys seen, a key seen by two
+    """The definition: the mixture equals one softmax over all keys seen, a key seen by two
     branches counted twice. Built here from the branch patterns alone."""
     from dilated_attention.reference import branch_offsets, branch_pattern
 
@@ -155,6 +155,24 @@ def test_head_dim_that_is_not_unit_stride(dtype):
         assert max_relative_error(grads, ref_grads) <= TOLERANCES[dtype]
 
 
+@pytest.mark.parametrize("strided", ["qk", "v"])
+def test_lse_gradient_with_a_head_dim_of_one_laid_out_sequence_fastest(strided):
+    """``(B, N, H, 1)`` whose sequence dim is the fastest: the LSE's gradient column must
+    not inherit that layout (PyTorch's CPU flash backward gets it wrong)."""
+    gen = torch.Generator().manual_seed(8)
+    inputs = [torch.randn(1, 17, 5, 1, generator=gen, dtype=torch.float64) for _ in range(3)]
+    for index in ([0, 1] if strided == "qk" else [2]):
+        inputs[index] = inputs[index].permute(0, 3, 2, 1).contiguous().permute(0, 3, 2, 1)
+    inputs = [t.requires_grad_() for t in inputs]
+    grad, grad_lse = torch.randn(1, 17, 5, 1, generator=gen), torch.randn(1, 17, 5, generator=gen)
+    out, lse = dilated_attention(*inputs, [4], [1], return_lse=True)
+    grads = torch.autograd.grad((out, lse), inputs, (grad, grad_lse))
+    ref_in = [t.detach().contiguous().requires_grad_() for t in inputs]
+    ref, ref_lse = reference_dilated_attention(*ref_in, [4], [1])
+    ref_grads = torch.autograd.grad((ref, ref_lse), ref_in, (grad, grad_lse))
+    assert max_relative_error(grads, ref_grads) <= 1e-12
+
+
 def test_sdpa_layout():
     """``layout="bhnd"`` takes, and returns, PyTorch SDPA's ``(B, H, N, D)``."""
     (q, k, v), (grad, grad_lse), _ = random_inputs(6, 2, 19, 3, 4)
@@ -208,18 +226,24 @@ def test_nan_in_a_query_reaches_its_output(segment_lengths, dilation_rates):
 @given(configs(), st.data())
 def test_non_finite_inputs_follow_the_definition(cfg, data):
     """NaN or infinity anywhere in q, k, v, padded or not: padded keys have no effect,
-    and exactly the rows a non-finite value reaches are NaN (the reference says which)."""
+    exactly the rows a non-finite value reaches are NaN (the reference says which),
+    and those rows pass no gradient back, so every gradient stays finite."""
     inputs, attn = split_config(cfg)
-    (q, k, v), _, mask = random_inputs(**inputs)
+    (q, k, v), (grad, grad_lse), mask = random_inputs(**inputs)
     q, k, v = (t.detach().clone() for t in (q, k, v))
     for _ in range(data.draw(st.integers(1, 3))):
         tensor = data.draw(st.sampled_from([q, k, v]))
         index = tuple(data.draw(st.integers(0, size - 1)) for size in tensor.shape)
         tensor[index] = data.draw(st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse = dilated_attention(q, k, v, key_padding_mask=mask, return_lse=True, **attn)
     ref, ref_lse = reference_dilated_attention(q, k, v, key_padding_mask=mask, **attn)
     assert max_relative_error(out, ref) <= 1e-10
     assert lse_error(lse, ref_lse) <= 1e-10
+    grads = torch.autograd.grad((out, lse), (q, k, v), (grad, grad_lse))
+    ref_grads = torch.autograd.grad((ref, ref_lse), (q, k, v), (grad, grad_lse))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert max_relative_error(grads, ref_grads) <= 1e-10
 
 
 def test_padded_keys_holding_non_finite_values_change_nothing():
@@ -258,3 +282,27 @@ def test_cuda_kernel_non_square_calls_fit_the_op_schemas():
     assert out.shape == q.shape and lse.shape == (3, 2, 5)
     dq, dk, dv = CudaEfficientKernel.backward(out, q, k, k, out, lse, bias, False, 0.5)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_large_lse_gradients_in_half_precision(dtype):
+    """A loss scaled as AMP's GradScaler does (65536 and more) through the LSE: the
+    gradient column must not overflow float16 where the true gradient fits."""
+    (q, k, v), _, mask = random_inputs(13, 1, 24, 2, 8, dtype=dtype, masked=True)
+    out, lse = dilated_attention(q, k, v, [8, 16], [1, 2], is_causal=True, key_padding_mask=mask, return_lse=True)
+    weight = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1)) * 3e4
+    grads = torch.autograd.grad((lse.nan_to_num(neginf=0.0) * weight).sum(), (q, k))  # the LSE needs no v
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    _, ref_lse = reference_dilated_attention(*ref_in, [8, 16], [1, 2], is_causal=True, key_padding_mask=mask)
+    ref_grads = torch.autograd.grad((ref_lse.nan_to_num(neginf=0.0) * weight.double()).sum(), ref_in[:2])
+    assert max(g.abs().max().item() for g in ref_grads) < 6e4  # fits float16
+    assert max_relative_error(grads, ref_grads) <= TOLERANCES[dtype]
+
+
+def test_torch_func_transforms_are_refused_clearly():
+    (q, k, v), _, _ = random_inputs(1, 1, 8, 2, 4)
+    loss = lambda q: dilated_attention(q, k, v, [4], [1]).square().sum()  # noqa: E731
+    with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
+        torch.func.grad(loss)(q.detach())
+    with pytest.raises(RuntimeError, match="vmap"):
+        torch.func.vmap(lambda q: dilated_attention(q, q, q, [4], [1]))(q.detach()[None])

@@ -2,7 +2,9 @@
 
 - :func:`dilated_attention`: the functional API (``(B, N, H, D)`` tensors).
 - :class:`DilatedAttention`, :class:`MultiheadDilatedAttention`: ``nn.Module`` wrappers.
-- :mod:`dilated_attention.reference`: a dense float64 reference of ``SPEC.md``.
+- :mod:`dilated_attention.reference`: a dense float64 reference of the definition.
+
+What is computed, exactly, is defined in ``docs/definition.md`` of the project.
 """
 
 from .functional import dilated_attention

@@ -29,7 +29,7 @@ TOLERANCES = {
 }
 
 # Relative tolerances of a sequence-parallel result against the one-process result
-# in the same dtype (SPEC.md: fp64 1e-12, fp32 1e-5; low precision as above).
+# in the same dtype (docs/definition.md: fp64 1e-12, fp32 1e-5; low precision as above).
 ONE_PROCESS_TOLERANCES = {**TOLERANCES, torch.float64: 1e-12, torch.float32: 1e-5}
 
 
@@ -59,7 +59,8 @@ def lse_error(lse: torch.Tensor, ref: torch.Tensor) -> float:
     """Error on finite entries relative to ``max(1, max|ref|)``; ``inf`` if the
     non-finite entries (``-inf``, NaN) differ."""
     lse, ref = lse.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
-    if not torch.equal(torch.isfinite(lse), torch.isfinite(ref)) or not torch.equal(lse[~torch.isfinite(ref)].nan_to_num(), ref[~torch.isfinite(ref)].nan_to_num()):
+    other = ~torch.isfinite(ref)
+    if not torch.equal(torch.isfinite(lse), ~other) or not torch.equal(lse[other].nan_to_num(), ref[other].nan_to_num()):
         return math.inf
     finite = torch.isfinite(ref)
     if not finite.any():

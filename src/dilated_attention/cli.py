@@ -17,6 +17,26 @@ from .plan import MODES
 DTYPES = validation.FLOAT_DTYPES
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+# The pattern draws an (N, N) picture per head, through the dense reference.
+MAX_PATTERN_CELLS = 2**24
+
+
 def _cmd_check(args) -> int:
     from .check import default_cases, format_table, run_case
 
@@ -38,11 +58,14 @@ def _cmd_pattern(args) -> int:
     from .pattern import draw_pattern
 
     segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)
-    if args.length < 1 or args.heads < 1:
-        print("error: --length and --heads must be >= 1", file=sys.stderr)
+    if args.heads * args.length**2 > MAX_PATTERN_CELLS:
+        longest = int((MAX_PATTERN_CELLS / args.heads) ** 0.5)
+        print(f"error: --length {args.length} with --heads {args.heads} is too large to draw "
+              f"({args.heads} pictures of {args.length}^2 cells): use --length <= {longest}", file=sys.stderr)
         return 2
     if args.mode == "head_groups":
         validation.check_head_groups(args.heads, len(segs))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     lines = draw_pattern(
         args.out, args.length, args.heads, segs, rates, mode=args.mode, is_causal=args.causal
     )
@@ -143,17 +166,18 @@ def _add_pattern(sub) -> None:
         "Draw which keys each query attends to, one panel per head, as a PNG, and print one "
         "summary line per head.",
     )
-    pattern.add_argument("--segment-lengths", type=int, nargs="+", metavar="W", required=True,
+    pattern.add_argument("--segment-lengths", type=positive_int, nargs="+", metavar="W", required=True,
                          help="segment length w of each branch (required)")
-    pattern.add_argument("--dilation-rates", type=int, nargs="+", metavar="R", required=True,
+    pattern.add_argument("--dilation-rates", type=positive_int, nargs="+", metavar="R", required=True,
                          help="dilation rate r of each branch, as many as --segment-lengths (required)")
-    pattern.add_argument("--length", type=int, metavar="N", required=True, help="sequence length N (required)")
-    pattern.add_argument("--heads", type=int, metavar="H", required=True, help="number of heads H (required)")
+    pattern.add_argument("--length", type=positive_int, metavar="N", required=True, help="sequence length N (required)")
+    pattern.add_argument("--heads", type=positive_int, metavar="H", required=True, help="number of heads H (required)")
     pattern.add_argument("--mode", choices=MODES, default="mixture",
                          help="how the branches share the heads (default: mixture)")
     pattern.add_argument("--causal", action="store_true",
                          help="queries attend only to keys at or before them (default: off)")
-    pattern.add_argument("--out", default="pattern.png", help="PNG file to write (default: pattern.png)")
+    pattern.add_argument("--out", default="pattern.png",
+                         help="PNG file to write; its folder is created if missing (default: pattern.png)")
     pattern.set_defaults(run=_cmd_pattern)
 
 
@@ -167,27 +191,29 @@ def _add_bench(sub) -> None:
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
     bench.add_argument("--dtype", choices=list(DTYPES), default="float32",
                        help="dtype of q, k, v (default: float32)")
-    bench.add_argument("--seq-lens", type=int, nargs="+", metavar="N", help="sequence lengths N to measure "
+    bench.add_argument("--seq-lens", type=positive_int, nargs="+", metavar="N", help="sequence lengths N to measure "
                        "(default: powers of 2 from 4096 to 131072 on CPU, to 1048576 on CUDA)")
-    bench.add_argument("--segment-lengths", type=int, nargs="+", metavar="W", default=[2048, 4096, 8192],
+    bench.add_argument("--segment-lengths", type=positive_int, nargs="+", metavar="W", default=[2048, 4096, 8192],
                        help="segment length w of each branch (default: 2048 4096 8192)")
-    bench.add_argument("--dilation-rates", type=int, nargs="+", metavar="R", default=[1, 2, 4],
+    bench.add_argument("--dilation-rates", type=positive_int, nargs="+", metavar="R", default=[1, 2, 4],
                        help="dilation rate r of each branch (default: 1 2 4)")
-    bench.add_argument("--batch", type=int, metavar="B", default=1, help="batch size B (default: 1)")
-    bench.add_argument("--heads", type=int, metavar="H", default=8, help="number of heads H (default: 8)")
-    bench.add_argument("--head-dim", type=int, metavar="D", default=64, help="size D of each head (default: 64)")
+    bench.add_argument("--batch", type=positive_int, metavar="B", default=1, help="batch size B (default: 1)")
+    bench.add_argument("--heads", type=positive_int, metavar="H", default=8, help="number of heads H (default: 8)")
+    bench.add_argument("--head-dim", type=positive_int, metavar="D", default=64,
+                       help="size D of each head (default: 64)")
     bench.add_argument("--causal", action="store_true",
                        help="queries attend only to keys at or before them (default: off)")
     impls = benchmark.IMPLEMENTATIONS
     bench.add_argument("--impl", nargs="+", choices=impls, default=list(impls),
                        help="implementations to measure: dense is PyTorch SDPA, kernel the fused kernel alone, "
                        f"mixture and head_groups the library (default: {' '.join(impls)})")
-    bench.add_argument("--repeats", type=int, default=3,
+    bench.add_argument("--repeats", type=positive_int, default=3,
                        help="timed runs per measurement, of which the median counts (default: 3)")
-    bench.add_argument("--threads", type=int, help="CPU threads, for torch.set_num_threads (default: torch's own)")
-    bench.add_argument("--max-seconds", type=float, default=60.0,
+    bench.add_argument("--threads", type=positive_int,
+                       help="CPU threads, for torch.set_num_threads (default: torch's own)")
+    bench.add_argument("--max-seconds", type=positive_float, default=60.0,
                        help="skip a measurement predicted to take longer, such as dense at large N (default: 60)")
-    bench.add_argument("--matmul-size", type=int, default=4096,
+    bench.add_argument("--matmul-size", type=positive_int, default=4096,
                        help="side of the square matmul the speed ratios refer to (default: 4096)")
     bench.add_argument("--no-backward", action="store_true", help="time the forward only (default: off)")
     bench.add_argument("--no-memory", action="store_true", help="do not measure peak memory (default: off)")

@@ -202,7 +202,8 @@ class Sharding:
                 for grad in (dk, dv):
                     for head, rows in unions.items():
                         n = self.batch * len(rows) * self.dim
-                        grad[:, :, head].index_add_(1, rows, buf[at : at + n].view(self.batch, len(rows), self.dim).to(grad.dtype))
+                        rows_grad = buf[at : at + n].view(self.batch, len(rows), self.dim)
+                        grad[:, :, head].index_add_(1, rows, rows_grad.to(grad.dtype))
                         at += n
 
         return finish

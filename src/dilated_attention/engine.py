@@ -100,24 +100,38 @@ def _nonfinite(t: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(t.amax(-1)) & torch.isfinite(t.amin(-1)))
 
 
+def _known_empty(flags: torch.Tensor) -> bool:
+    """Whether ``flags`` (bool) is known to hold no ``True``: checked where that is free
+    (eager on CPU); elsewhere (CUDA, ``torch.compile``) it is not known, and the
+    caller takes the path that is right either way."""
+    return flags.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(flags.any())
+
+
 def nonfinite_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """``(bad_q, bad_kv)`` ``(B, N, H)`` bool: rows of ``q``, and of ``k`` or ``v``, that
-    hold a NaN or an infinity; ``None`` where there are none and checking was free
-    (eager on CPU). The fused kernels let such values leak into rows that do not
-    attend to them (a causal future key's value times probability 0), so the engine
-    zeroes them and marks the rows they reach instead."""
+    hold a NaN or an infinity; ``None`` where there are known to be none. The fused
+    kernels let such values leak into rows that do not attend to them (a causal
+    future key's value times probability 0), so the engine zeroes them and marks the
+    rows they reach instead."""
     bad_q, bad_kv = _nonfinite(q), _nonfinite(k) | _nonfinite(v)
-    if q.device.type == "cpu" and not torch.compiler.is_compiling() and not (bad_q.any() or bad_kv.any()):
-        return None
-    return bad_q, bad_kv
+    return None if _known_empty(bad_q | bad_kv) else (bad_q, bad_kv)
 
 
-def _clean_keys(k: torch.Tensor, v: torch.Tensor, bad):
-    """``k, v`` ``(B', h, L, D)`` with the rows of non-finite keys set to 0."""
+def _clean(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad):
+    """``q, k, v`` (kernel layout) with their non-finite rows set to 0."""
     if bad is None:
-        return k, v
-    rows = bad[1].unsqueeze(-1)
-    return k.masked_fill(rows, 0.0), v.masked_fill(rows, 0.0)
+        return q, k, v
+    q_rows, kv_rows = bad[0].unsqueeze(-1), bad[1].unsqueeze(-1)
+    return q.masked_fill(q_rows, 0.0), k.masked_fill(kv_rows, 0.0), v.masked_fill(kv_rows, 0.0)
+
+
+def _append_column(t: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(..., D)`` with ``column`` ``(...)`` as its column ``D``: a new contiguous
+    tensor (the CPU flash backward mishandles other layouts of the same shape)."""
+    out = t.new_empty(*t.shape[:-1], t.shape[-1] + 1)
+    out[..., :-1] = t
+    out[..., -1] = column
+    return out
 
 
 def _reached_rows(bad, pad: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
@@ -152,7 +166,7 @@ def _attend(cfg: EngineConfig, q, k, v, pad, bad, is_causal: bool, dropout: Opti
     whatever they hold, a non-finite value makes exactly the rows it reaches NaN,
     and a row with no key is ``0``, ``-inf``. ``bad``: ``None`` or the call's
     ``(bad_q (B', h, Lq), bad_k (B', h, Lk))`` from :func:`nonfinite_rows`."""
-    k, v = _clean_keys(k, v, bad)
+    q, k, v = _clean(q, k, v, bad)
     bias, empty = _key_mask(pad, q.dtype, is_causal)
     o, l = cfg.kernel.forward(q, k, v, bias, is_causal, cfg.scale, dropout)
     if bad is not None:
@@ -170,15 +184,15 @@ def _attend_backward(cfg: EngineConfig, grad, q, k, v, out, lse, lse_grad, pad, 
     ``lse_grad`` ``(B', h, Lq)`` or ``None``: a gradient reaching the LSE. It adds
     ``P_ij * g_i`` to the score gradient ``P * (dP - delta)``, i.e. lowers
     ``delta = rowsum(grad * out)`` by ``g``. The kernels get it through one more
-    head-dim column: 0 in ``q, k, v`` (nothing else changes), 1 in ``out`` and
-    ``-g`` in ``grad``."""
-    k, v = _clean_keys(k, v, bad)
+    head-dim column: 0 in ``q, k, v`` (nothing else changes), ``c`` in ``out`` and
+    ``-g / c`` in ``grad``, with ``c = sqrt(max(|g|, 1))`` so that both fit float16."""
+    q, k, v = _clean(q, k, v, bad)
     bias, _ = _key_mask(pad, q.dtype, is_causal)
     dim = q.shape[-1]
     if lse_grad is not None:
-        q, k, v = (torch.nn.functional.pad(t, (0, 1)) for t in (q, k, v))
-        out = torch.cat([out, torch.ones_like(out[..., :1])], -1)
-        grad = torch.cat([grad, -lse_grad.unsqueeze(-1).to(grad.dtype)], -1)
+        split = lse_grad.abs().clamp(min=1.0).sqrt()
+        q, k, v = (_append_column(t, 0.0) for t in (q, k, v))
+        out, grad = _append_column(out, split), _append_column(grad, -lse_grad / split)
     dq, dk, dv = cfg.kernel.backward(grad, q, k, v, out, lse, bias, is_causal, cfg.scale, dropout)
     return dq[..., :dim], dk[..., :dim], dv[..., :dim]
 
@@ -252,7 +266,9 @@ def _accumulation_dtype(dtype: torch.dtype, cfg: EngineConfig, remote: bool = Fa
     return torch.float32 if merges and dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def engine_forward(q, k, v, padding, seed, cfg: EngineConfig, remote: Optional[Callable[[], Sequence[RemoteKeys]]] = None):
+def engine_forward(
+    q, k, v, padding, seed, cfg: EngineConfig, remote: Optional[Callable[[], Sequence[RemoteKeys]]] = None
+):
     """Output ``(B, N, H, D)`` in ``q.dtype`` and LSE ``(B, N, H)``; see module docstring.
 
     ``seed``: 0-dim int64 tensor of the dropout masks, or ``None`` without dropout.
@@ -302,7 +318,12 @@ def engine_backward(
     grads = [_buffer(t.shape, acc, t.device, cfg, 0.0) for t in (q, k, v)]
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     # A row with no key at all has lse = -inf; +inf makes all its probabilities 0.
-    no_key = torch.isneginf(lse)
+    # A row that a non-finite input reached (lse NaN) is a constant NaN: it passes
+    # no gradient back, so it gets the same treatment and its output counts as 0.
+    no_key, dead = torch.isneginf(lse), torch.isnan(lse)
+    if not _known_empty(dead):
+        out, grad_out = (t.masked_fill(dead.unsqueeze(-1), 0.0) for t in (out, grad_out))
+        no_key = no_key | dead
     lse = lse.masked_fill(no_key, math.inf)
     lse_grad = None if grad_lse is None else grad_lse.masked_fill(no_key, 0.0) / cfg.out_scale
 
@@ -351,16 +372,24 @@ class DilatedAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, padding, seed, cfg: EngineConfig, sharding=None):
+    def forward(q, k, v, padding, seed, cfg: EngineConfig, sharding=None):
         remote = sharding.send_keys(k, v, padding) if sharding is not None else None
-        out, lse = engine_forward(q, k, v, padding, seed, cfg, remote)
-        ctx.save_for_backward(q, k, v, padding, seed, out, lse)
+        return engine_forward(q, k, v, padding, seed, cfg, remote)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, padding, seed, cfg, sharding = inputs
+        ctx.save_for_backward(q, k, v, padding, seed, *output)
         ctx.cfg, ctx.sharding = cfg, sharding
         ctx.set_materialize_grads(False)
-        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
+        if torch.is_grad_enabled() and torch._C._are_functorch_transforms_active():
+            raise RuntimeError(
+                "dilated_attention does not support torch.func transforms (grad, vjp, vmap, ...): "
+                "use torch.autograd.grad or .backward()"
+            )
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "dilated_attention does not support double backward (a backward with "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -101,12 +102,19 @@ def dilated_attention(
         sharding = make_sharding(process_group, call, dropout, error)
         seed, blocks, first_position = sharding.seed, sharding.plan.blocks, sharding.plan.first_position
     _, _, num_heads, _ = call.shape
+    if torch.jit.is_tracing():
+        warnings.warn(
+            f"torch.jit.trace records dilated_attention for q, k, v of shape {call.shape} (B, N, H, D) "
+            "only: the traced graph computes wrong numbers for other sequence lengths or head "
+            "counts. Trace once per shape, or use torch.compile, which follows shape changes.",
+            stacklevel=2,
+        )
     cfg = EngineConfig(
         blocks=tuple(blocks),
         unwritten_heads=tuple(partly_covered_heads(num_heads, call.dilation_rates, call.mode)),
         max_call_elements=MAX_CALL_ELEMENTS.get(call.q.device.type, MAX_CALL_ELEMENTS["default"]),
         is_causal=call.is_causal,
-        scale=call.scale,
+        scale=validation.kernel_scale(call.scale, call.q.dtype),
         dropout_p=dropout,
         out_scale=1.0 if call.mode == "mixture" else 1.0 / len(call.segment_lengths),
         kernel=select_kernel(call.q.device, call.q.dtype, dropout),

@@ -164,10 +164,11 @@ def _cuda_bias(bias, heads, q_len, k_len):
 
 def _pad_head_dim(*tensors):
     """Zero-pad the last dim to the fused CUDA kernels' alignment; zeros change
-    neither ``q @ k^T`` nor the kept columns of the output."""
+    neither ``q @ k^T`` nor the kept columns of the output. The result is contiguous
+    (``pad`` may keep a layout whose last dim is not unit-stride)."""
     dim = tensors[0].shape[-1]
     pad = round_up(dim, CUDA_HEAD_DIM_ALIGNMENT) - dim
-    return [torch.nn.functional.pad(t, (0, pad)) if pad else t for t in tensors]
+    return [torch.nn.functional.pad(t, (0, pad)).contiguous() if pad else t for t in tensors]
 
 
 def _cuda_lse_width(length: int) -> int:

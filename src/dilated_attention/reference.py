@@ -1,7 +1,7 @@
-"""Dense reference implementation of ``SPEC.md``: slow, float64, obviously right.
+"""Dense reference implementation of ``docs/definition.md``: slow, float64, obviously right.
 
 It builds each branch's full ``(N, N)`` boolean pattern per head, runs a plain
-masked softmax, and mixes the branches with the formulas of ``SPEC.md``. Use it to
+masked softmax, and mixes the branches with the formulas of the definition. Use it to
 check the fast implementation, or your own setup, on small inputs: memory is
 ``O(B * H * N^2)``. It is differentiable with autograd (no dropout).
 """
@@ -74,7 +74,7 @@ def _masked_softmax_attention(q, k, v, allowed, scale):
 
 
 def _mix(outs, lses):
-    """SPEC's mixture: ``LSE = logsumexp_i LSE_i``, ``O = sum_i exp(LSE_i - LSE) O_i``."""
+    """The definition's mixture: ``LSE = logsumexp_i LSE_i``, ``O = sum_i exp(LSE_i - LSE) O_i``."""
     lses = torch.stack(lses)  # (G, B, H, N)
     top = lses.amax(0).detach()
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))

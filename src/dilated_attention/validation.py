@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -12,7 +14,9 @@ import torch
 from .plan import MODES
 
 # The dtypes the library computes in, by name (as the command line spells them).
-FLOAT_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLOAT_DTYPES = {
+    "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16
+}
 
 # Tensor layouts the functional API accepts: ours, and PyTorch SDPA's.
 LAYOUTS = {"bnhd": "(batch, seq_len, heads, head_dim)", "bhnd": "(batch, heads, seq_len, head_dim)"}
@@ -75,9 +79,32 @@ def check_scale(softmax_scale, head_dim: int) -> float:
         return head_dim**-0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a float or None, got {type_name(softmax_scale)}")
-    if not math.isfinite(float(softmax_scale)):
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:
+        scale = math.inf
+    if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    return float(softmax_scale)
+    return scale
+
+
+def kernel_scale(scale: float, dtype: torch.dtype) -> float:
+    """``scale`` as the kernels use it for inputs of ``dtype``: they compute scores of
+    float32, float16 and bfloat16 inputs in float32, so it is rounded to float32
+    (a tiny scale becomes 0, which the kernels must know); one too large for float32
+    is refused."""
+    if dtype == torch.float64:
+        return scale
+    try:
+        rounded = struct.unpack("f", struct.pack("f", scale))[0]
+    except OverflowError:
+        rounded = math.inf
+    if math.isinf(rounded):
+        raise ValueError(
+            f"softmax_scale={scale} does not fit float32, in which the scores of {dtype} inputs "
+            "are computed: use a smaller scale (fold the rest into q) or float64 inputs"
+        )
+    return rounded
 
 
 def check_flag(value, name: str) -> bool:
@@ -97,6 +124,8 @@ def check_qkv(q, k, v, layout: str = "bnhd") -> None:
             raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dims {dims} (layout={layout!r}), got shape {tuple(t.shape)}")
+        if t.layout != torch.strided:
+            raise ValueError(f"{name} must be a dense tensor, got layout {t.layout}: use {name}.to_dense()")
         if t.dtype not in FLOAT_DTYPES.values():
             raise ValueError(f"{name} must be float64, float32, bfloat16 or float16, got {t.dtype}")
         if min(int(size) for size in t.shape) < 1:
@@ -157,8 +186,9 @@ class Attention:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        """``(B, N, H, D)`` as Python ints."""
-        return tuple(int(size) for size in self.q.shape)
+        """``(B, N, H, D)`` as Python ints. (``operator.index`` also makes
+        ``torch.compile`` specialise on them: the plan depends on every size.)"""
+        return tuple(operator.index(size) for size in self.q.shape)
 
 
 def check_attention(
@@ -172,7 +202,7 @@ def check_attention(
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
     mode = check_mode(mode)
-    batch, seq_len, num_heads, head_dim = (int(size) for size in q.shape)
+    batch, seq_len, num_heads, head_dim = (operator.index(size) for size in q.shape)
     if mode == "head_groups":
         check_head_groups(num_heads, len(segment_lengths))
     return Attention(
