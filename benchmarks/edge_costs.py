@@ -37,7 +37,7 @@ def tiny_segments(seq_len: int, segs, rates) -> dict:
     """Plan time, forward time, and the fused op's share of the forward."""
     q, k, v = inputs(seq_len)
     start = time.perf_counter()
-    make_plan(seq_len, HEADS, segs, rates, "mixture")
+    make_plan(seq_len, HEADS, segs, rates, "mixture", False)
     plan_s = time.perf_counter() - start
     with torch.no_grad():
         dilated_attention(q, k, v, segs, rates)  # warm-up

@@ -6,7 +6,7 @@ import torch
 from hypothesis import strategies as st
 
 import dilated_attention.functional as functional
-from dilated_attention.plan import MODES
+from dilated_attention.plan import HEAD_OFFSETS, MODES
 
 
 MEMORY_LAYOUTS = ("contiguous", "head_dim_strided", "sliced", "expanded")
@@ -55,6 +55,7 @@ def configs(draw, max_len=48, max_heads=6):
         segment_lengths=draw(st.lists(st.integers(1, 40), min_size=branches, max_size=branches)),
         dilation_rates=draw(st.lists(st.integers(1, 5), min_size=branches, max_size=branches)),
         mode=mode,
+        head_offsets=draw(st.sampled_from(HEAD_OFFSETS)),
         is_causal=draw(st.booleans()),
         masked=draw(st.booleans()),
         batch=draw(st.integers(1, 2)),
@@ -70,7 +71,9 @@ def configs(draw, max_len=48, max_heads=6):
 def split_config(cfg):
     """``(input kwargs, attention kwargs)`` of a config drawn by :func:`configs`."""
     inputs = {key: cfg[key] for key in ("seed", "batch", "seq_len", "heads", "head_dim", "masked", "memory")}
-    attention = {key: cfg[key] for key in ("segment_lengths", "dilation_rates", "mode", "is_causal", "softmax_scale")}
+    attention = {
+        key: cfg[key] for key in ("segment_lengths", "dilation_rates", "mode", "head_offsets", "is_causal", "softmax_scale")
+    }
     return inputs, attention
 
 

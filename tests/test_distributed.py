@@ -22,7 +22,7 @@ from helpers import with_memory_layout
 
 from dilated_attention import dilated_attention
 from dilated_attention.check import ONE_PROCESS_TOLERANCES, lse_error, max_relative_error
-from dilated_attention.distributed import traffic
+from dilated_attention.distributed import Communicator
 from dilated_attention.reference import branch_offsets, branch_pattern
 
 TIMEOUT_S = 300
@@ -71,9 +71,10 @@ def run_case(case, rank, world, group):
     local = [with_memory_layout(t[:, lo:hi], case.get("memory", "contiguous")).requires_grad_() for t in (q, k, v)]
     local_mask = None if mask is None else mask[:, lo:hi]
     torch.manual_seed(case["seed"])
+    communicator = Communicator(group)
     dout, dlse = dilated_attention(
         *local, case["segment_lengths"], case["dilation_rates"], key_padding_mask=local_mask,
-        process_group=group, **kwargs,
+        process_group=communicator, **kwargs,
     )
     grads = torch.autograd.grad((dout, dlse), local, (grad[:, lo:hi], grad_lse[:, lo:hi].to(dlse.dtype)))
     errors = {
@@ -81,7 +82,7 @@ def run_case(case, rank, world, group):
         "lse": lse_error(dlse, lse[:, lo:hi]),
         "grads": max_relative_error(grads, [g[:, lo:hi] for g in full_grads]),
     }
-    moved = vars(traffic())
+    moved = vars(communicator.traffic)
     itemsize = q.element_size()
     sent = sum(minimum_bytes(case, case["lengths"], rank, b, itemsize) for b in range(world) if b != rank)
     received = sum(minimum_bytes(case, case["lengths"], b, rank, itemsize) for b in range(world) if b != rank)

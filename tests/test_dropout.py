@@ -58,7 +58,7 @@ def test_masks_are_bernoulli_and_independent():
     cols = column_keys(positions).view(1, 1, n)
 
     def keep(seed, batch=1, heads=(0,)):
-        rows = row_keys(torch.tensor(seed), batch, torch.tensor(heads), positions)  # (B, n, h)
+        rows = row_keys(torch.tensor(seed), torch.arange(batch), torch.tensor(heads), positions)  # (B, n, h)
         mask = DropoutMask(p, rows.permute(0, 2, 1), cols.expand(batch, 1, n))
         return mask.multiplier(slice(0, n), slice(0, n), torch.float64) > 0  # (B, h, n, n)
 

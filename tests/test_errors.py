@@ -45,7 +45,18 @@ q0, k0, v0 = qkv()
         (dict(dilation_rates=[1, True]), TypeError, "dilation_rates must contain ints"),
         (dict(segment_lengths=8), TypeError, "segment_lengths must be a list"),
         (dict(q=q0[0]), ValueError, "q must have 4 dims"),
-        (dict(k=k0[:, :8]), ValueError, "k must have the shape of q"),
+        (dict(k=k0[:, :8]), ValueError, "v must have the shape of k"),
+        (dict(k=k0[:, :8], v=v0[:, :8]), ValueError, "q has 16 positions but k and v only 8"),
+        (dict(k=k0[:, :, :2], v=v0[:, :, :2]), ValueError, "k must have the shape of q (2, 16, 4, 8) but for its length"),
+        (dict(q=q0[:, :8]), ValueError, "need is_causal=True"),
+        (dict(q=q0[:, :8], is_causal=True, key_offset=-1), ValueError, "key_offset must be >= 0"),
+        (dict(q=q0[:, :8], is_causal=True, key_offset=2.0), TypeError, "key_offset must be an int"),
+        (dict(q=q0[:, :8], is_causal=True, key_offset=torch.zeros(3, dtype=torch.long)), ValueError,
+         "key_offset must be an int or an integer tensor of shape (batch,) = (2,)"),
+        (dict(q=q0[:, :2], k=k0[:, :3], v=v0[:, :3], is_causal=True, key_offset=5), ValueError,
+         "the keys start at position key_offset=5, but the first query (position 6) attends to keys from "
+         "position 0"),
+        (dict(head_offsets="blocked"), ValueError, "head_offsets must be one of"),
         (dict(v=v0.double()), ValueError, "v must have the dtype of q"),
         (dict(q=q0.int(), k=k0.int(), v=v0.int()), ValueError, "q must be float64, float32"),
         (dict(q=q0.numpy()), TypeError, "q must be a torch.Tensor"),
@@ -88,7 +99,7 @@ def test_module_errors():
         mha(x, need_weights=True)
     with pytest.raises(ValueError, match="query must have shape \\(batch, seq_len, embed_dim=32\\)"):
         mha(torch.randn(2, 8, 16))
-    with pytest.raises(ValueError, match="k must have the shape of q"):
+    with pytest.raises(ValueError, match=re.escape("key must have the shape of query (2, 8, 32), got (2, 9, 32)")):
         mha(x, torch.randn(2, 9, 32))
 
 
@@ -120,14 +131,14 @@ def test_huge_segment_lengths_and_rates_are_exact(huge):
 def test_planning_does_not_grow_with_the_number_of_segments():
     """A million one-position segments: a plan of a few blocks, made at once."""
     start = time.perf_counter()
-    blocks = make_plan(2**20 + 3, 8, [1, 3, 2048], [1, 2, 4], "mixture")
+    blocks = make_plan(2**20 + 3, 8, [1, 3, 2048], [1, 2, 4], "mixture", True)
     assert time.perf_counter() - start < 1.0
-    assert len(blocks) == len(make_plan(2**12 + 3, 8, [1, 3, 2048], [1, 2, 4], "mixture")) == 11
+    assert len(blocks) == len(make_plan(2**12 + 3, 8, [1, 3, 2048], [1, 2, 4], "mixture", True)) == 11
 
 
 def test_layout_is_named_in_errors():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=re.escape("layout must be 'bnhd' for (batch, seq_len, heads, head_dim)")):
+    with pytest.raises(ValueError, match=re.escape("layout must be one of ('bnhd', 'bhnd') ('bnhd' for (batch, seq_len, heads, head_dim)")):
         dilated_attention(q, k, v, [4], [1], layout="bshd")
     with pytest.raises(ValueError, match=re.escape("(batch, heads, seq_len, head_dim) (layout='bhnd')")):
         dilated_attention(q[0], k[0], v[0], [4], [1], layout="bhnd")

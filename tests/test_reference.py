@@ -12,7 +12,7 @@ from hypothesis import given
 from dilated_attention.reference import attention_weights_uniform, reference_dilated_attention
 
 
-def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, mask):
+def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, head_offsets, is_causal, softmax_scale, mask):
     """The definition, one (batch, position, head) at a time, in Python floats."""
     batch, n, heads, dim = q.shape
     scale = dim**-0.5 if softmax_scale is None else softmax_scale
@@ -28,7 +28,12 @@ def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax
                 for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
                     if mode == "head_groups" and group_of[h] != i:
                         continue
-                    offset = h % r if mode == "mixture" else i % r
+                    if mode == "head_groups":
+                        offset = i % r
+                    elif head_offsets == "interleaved":
+                        offset = h % r
+                    else:
+                        offset = h // math.ceil(heads / r)
                     s = p // w
                     if (p - s * w) % r != offset:
                         continue

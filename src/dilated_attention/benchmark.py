@@ -49,10 +49,10 @@ def attended_pairs(
         per_head = seq_len * (seq_len + 1) // 2 if is_causal else seq_len * seq_len
         return batch * heads * per_head
     total = 0
-    for block in make_plan(seq_len, heads, segment_lengths, dilation_rates, mode):
-        rows = block.rows
-        per_segment = rows * (rows + 1) // 2 if is_causal else rows * rows
-        total += batch * block.nseg * block.head_count * per_segment
+    for block in make_plan(seq_len, heads, segment_lengths, dilation_rates, mode, is_causal):
+        queries, keys = block.queries.count, block.keys.count
+        per_segment = queries * (queries + 1) // 2 if block.is_causal else queries * keys
+        total += batch * block.queries.nseg * block.queries.head_count * per_segment
     return total
 
 

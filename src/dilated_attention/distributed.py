@@ -3,12 +3,14 @@
 Rank ``k`` of a process group holds the ``k``-th contiguous shard of ``q, k, v``.
 :func:`dilated_attention.plan.make_shard_plan` says which rows of its keys and
 values each peer needs (only the selected rows of segments they share); this module
-checks that all ranks agree on the configuration, packs those rows into one message
-per peer, exchanges them with ``batch_isend_irecv`` while the local blocks compute,
-and, in backward, sends the gradients of the received rows back to their owners.
+checks that all ranks agree on the configuration (:func:`agree`), and an
+:class:`Exchange` packs those rows into one message per peer, sends them with
+``batch_isend_irecv`` while the local blocks compute, hands the received rows to the
+engine as key sources with their blocks, and in backward sends the gradients of
+those rows back to their owners.
 
-:func:`traffic` reports the bytes this rank sent and received in the last forward
-and backward.
+A :class:`Communicator` is the process group as the caller holds it: pass one as
+``process_group`` and its ``traffic`` says what the last call moved.
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ import torch
 import torch.distributed as dist
 
 from .dropout import draw_seed
-from .engine import RemoteKeys
+from .engine import KeySource, nonfinite_rows
 from .kernels import accumulator
-from .plan import ShardPlan, make_shard_plan
+from .plan import Block, Rows, ShardPlan, make_shard_plan
 
 
 @dataclass
 class Traffic:
-    """Bytes of attention data this rank sent and received (configuration checks and
-    shard lengths, a few integers per call, are not counted)."""
+    """Bytes of attention data a rank sent and received in one call's forward and
+    backward (configuration checks and shard lengths, a few integers per call, are
+    not counted)."""
 
     forward_sent: int = 0
     forward_received: int = 0
@@ -36,12 +39,23 @@ class Traffic:
     backward_received: int = 0
 
 
-_LAST_TRAFFIC = Traffic()
+class Communicator:
+    """A process group for sequence-parallel dilated attention. Pass it as
+    ``process_group`` (a plain group works too); after a call, ``traffic`` is the
+    :class:`Traffic` of that call, its backward included once that has run."""
 
+    def __init__(self, group=None):
+        self.group = dist.group.WORLD if group is None else group
+        self.traffic = Traffic()
 
-def traffic() -> Traffic:
-    """The :class:`Traffic` of this process's last sequence-parallel forward and backward."""
-    return Traffic(**vars(_LAST_TRAFFIC))
+    def transfer(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor]):
+        """Post one message to and from each peer (ranks of the group); the works to wait on."""
+        ops = [dist.P2POp(dist.isend, buf, self._global(peer), self.group) for peer, buf in outgoing.items()]
+        ops += [dist.P2POp(dist.irecv, buf, self._global(peer), self.group) for peer, buf in incoming.items()]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def _global(self, peer: int) -> int:
+        return dist.get_global_rank(self.group, peer) if self.group is not None else peer
 
 
 def _settings(call, dropout_p: float) -> dict:
@@ -86,17 +100,14 @@ def agree(group, call, dropout_p: float, error: Optional[Exception]) -> tuple[li
     return [entry["length"] for entry in table], table[0]["seed"]
 
 
-def _global(group, peer: int) -> int:
-    return dist.get_global_rank(group, peer) if group is not None else peer
-
-
 @dataclass
-class Sharding:
-    """The process group, this rank's plan, the dropout seed (rank 0's, so that masks
-    are those of one process), and the received rows of one call (kept for
-    backward: at most the selected rows of the segments this rank shares)."""
+class Exchange:
+    """The transfers of one call: this rank's plan, the dropout seed (rank 0's, so that
+    masks are those of one process), the communicator, and the rows received in
+    forward (kept for backward: at most the selected rows of the segments this rank
+    shares), as key sources with one block each."""
 
-    group: object
+    communicator: Communicator
     plan: ShardPlan
     masked: bool
     batch: int
@@ -104,7 +115,9 @@ class Sharding:
     dtype: torch.dtype
     device: torch.device
     seed: Optional[torch.Tensor] = None
-    pieces: list = field(default_factory=list)
+    received: tuple = ((), ())
+    _pending: list = field(default_factory=list)
+    _incoming: dict = field(default_factory=dict)
 
     def __post_init__(self):
         # Per peer and head, the distinct rows that go to it / come from it.
@@ -113,107 +126,105 @@ class Sharding:
             peer: _head_unions([rows for rows, _ in pairs], self.device) for peer, pairs in self.plan.receives
         }
 
-    def _exchange(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor]):
-        ops = [dist.P2POp(dist.isend, buf, _global(self.group, peer), self.group) for peer, buf in outgoing.items()]
-        ops += [dist.P2POp(dist.irecv, buf, _global(self.group, peer), self.group) for peer, buf in incoming.items()]
-        return dist.batch_isend_irecv(ops) if ops else []
-
-    def send_keys(self, k: torch.Tensor, v: torch.Tensor, padding: Optional[torch.Tensor]):
-        """Post the exchange of key/value rows; return a callable that waits for it and
-        gives the :class:`RemoteKeys` of this rank's queries.
-
-        A message carries, per head, the union of the rows all branches need from that
-        peer (each row once), then, with a mask, one mask value per distinct row."""
+    def start_forward(self, k: torch.Tensor, v: torch.Tensor, padding: Optional[torch.Tensor]) -> None:
+        """Post the transfer of key/value rows. A message carries, per head, the union
+        of the rows all branches need from that peer (each row once), then, with a
+        mask, one mask value per distinct row."""
         outgoing = {}
         for peer, unions in self.unions_to.items():
             parts = [t[:, rows, head].reshape(-1) for t in (k, v) for head, rows in unions.items()]
             if self.masked:
                 parts.append(padding[:, _all_rows(unions)].to(k.dtype).reshape(-1))
             outgoing[peer] = torch.cat(parts)
-        incoming = {}
+        self._incoming = {}
         for peer, unions in self.unions_from.items():
             size = 2 * self.batch * self.dim * sum(len(rows) for rows in unions.values())
-            incoming[peer] = k.new_empty(size + (self.batch * len(_all_rows(unions)) if self.masked else 0))
-        works = self._exchange(outgoing, incoming)
-        _LAST_TRAFFIC.forward_sent = sum(_nbytes(t) for t in outgoing.values())
-        _LAST_TRAFFIC.forward_received = sum(_nbytes(t) for t in incoming.values())
-        _LAST_TRAFFIC.backward_sent = _LAST_TRAFFIC.backward_received = 0
+            self._incoming[peer] = k.new_empty(size + (self.batch * len(_all_rows(unions)) if self.masked else 0))
+        self._pending = self.communicator.transfer(outgoing, self._incoming)
+        traffic = self.communicator.traffic = Traffic()
+        traffic.forward_sent = sum(_nbytes(t) for t in outgoing.values())
+        traffic.forward_received = sum(_nbytes(t) for t in self._incoming.values())
 
-        def finish():
-            for work in works:
-                work.wait()
-            for peer, pairs in self.plan.receives:
-                unions, buf, at = self.unions_from[peer], incoming[peer], 0
-                per_head = []
-                for _ in range(2):  # keys, then values: head -> (B, rows, D)
-                    tensors = {}
-                    for head, rows in unions.items():
-                        n = self.batch * len(rows) * self.dim
-                        tensors[head] = buf[at : at + n].view(self.batch, len(rows), self.dim)
-                        at += n
-                    per_head.append(tensors)
-                mask_rows = _all_rows(unions)
-                mask = buf[at:].view(self.batch, len(mask_rows)) != 0 if self.masked else None
-                for rows, block in pairs:
-                    wanted = rows.positions(k.device)
-                    k_rows, v_rows = (
-                        torch.stack([t[h][:, torch.searchsorted(unions[h], wanted)] for h in rows.head_indices], 1)
-                        for t in per_head
-                    )
-                    pad = None if mask is None else mask[:, torch.searchsorted(mask_rows, wanted)]
-                    positions = self.plan.starts[peer] + wanted
-                    self.pieces.append(RemoteKeys(block, k_rows, v_rows, pad, positions))
-            return self.pieces
+    def finish_forward(self) -> tuple[list[KeySource], list[Block]]:
+        """Wait for the rows; return them as key sources ``1, 2, ...``, each with the
+        block of local queries that attends to it (all of it: the sender's rows all
+        precede the queries when causal)."""
+        for work in self._pending:
+            work.wait()
+        sources, blocks = [], []
+        for peer, pairs in self.plan.receives:
+            unions, buf, at = self.unions_from[peer], self._incoming[peer], 0
+            per_head = []
+            for _ in range(2):  # keys, then values: head -> (B, rows, D)
+                tensors = {}
+                for head, rows in unions.items():
+                    n = self.batch * len(rows) * self.dim
+                    tensors[head] = buf[at : at + n].view(self.batch, len(rows), self.dim)
+                    at += n
+                per_head.append(tensors)
+            mask_rows = _all_rows(unions)
+            mask = buf[at:].view(self.batch, len(mask_rows)) != 0 if self.masked else None
+            for rows, block in pairs:
+                wanted = rows.positions(self.device).flatten()
+                k_rows, v_rows = (  # (B, L, h, D)
+                    torch.stack([t[h][:, torch.searchsorted(unions[h], wanted)] for h in rows.head_indices], 2)
+                    for t in per_head
+                )
+                pad = None if mask is None else mask[:, torch.searchsorted(mask_rows, wanted)]
+                first = self.plan.starts[peer] + rows.start + rows.offset
+                sources.append(KeySource(k_rows, v_rows, pad, first, rows.rate, nonfinite_rows(k_rows, v_rows)))
+                keys = Rows.strided(0, len(wanted), 1, slice(0, rows.head_count))
+                blocks.append(Block(block.branch, block.queries, keys, False, False, source=len(sources)))
+        self.received = (sources, blocks)
+        return sources, blocks
 
-        return finish
-
-    def send_key_grads(self, remote_grads):
-        """Post the return of the received rows' gradients (summed per distinct row) to
-        their owners; return a callable that waits and adds this rank's into ``dk, dv``."""
+    def start_backward(self, key_grads) -> None:
+        """Post the return of the received rows' gradients (``(dk, dv)`` ``(B, L, h, D)``
+        per source, summed here per distinct row) to their owners."""
         outgoing, index = {}, 0
+        acc = accumulator(self.dtype)
         for peer, pairs in self.plan.receives:
             unions = self.unions_from[peer]
-            acc = accumulator(self.dtype)
             sums = [
                 {h: torch.zeros(self.batch, len(r), self.dim, dtype=acc, device=self.device) for h, r in unions.items()}
                 for _ in range(2)
             ]
             for rows, _ in pairs:
-                wanted = rows.positions(self.device)
-                for grad, acc in zip(remote_grads[index], sums):  # grad: (B, h, count, D)
+                wanted = rows.positions(self.device).flatten()
+                for grad, total in zip(key_grads[index], sums):
                     for slot, h in enumerate(rows.head_indices):
-                        acc[h].index_add_(1, torch.searchsorted(unions[h], wanted), grad[:, slot].to(acc[h].dtype))
+                        total[h].index_add_(1, torch.searchsorted(unions[h], wanted), grad[:, :, slot].to(acc))
                 index += 1
-            outgoing[peer] = torch.cat([t.to(self.dtype).reshape(-1) for acc in sums for t in acc.values()])
-        incoming = {
+            outgoing[peer] = torch.cat([t.to(self.dtype).reshape(-1) for total in sums for t in total.values()])
+        self._incoming = {
             peer: torch.empty(2 * self.batch * self.dim * sum(len(r) for r in unions.values()),
                               dtype=self.dtype, device=self.device)
             for peer, unions in self.unions_to.items()
         }
-        works = self._exchange(outgoing, incoming)
-        _LAST_TRAFFIC.backward_sent = sum(_nbytes(t) for t in outgoing.values())
-        _LAST_TRAFFIC.backward_received = sum(_nbytes(t) for t in incoming.values())
+        self._pending = self.communicator.transfer(outgoing, self._incoming)
+        traffic = self.communicator.traffic
+        traffic.backward_sent = sum(_nbytes(t) for t in outgoing.values())
+        traffic.backward_received = sum(_nbytes(t) for t in self._incoming.values())
 
-        def finish(dk: torch.Tensor, dv: torch.Tensor) -> None:
-            for work in works:
-                work.wait()
-            for peer, unions in self.unions_to.items():
-                buf, at = incoming[peer], 0
-                for grad in (dk, dv):
-                    for head, rows in unions.items():
-                        n = self.batch * len(rows) * self.dim
-                        rows_grad = buf[at : at + n].view(self.batch, len(rows), self.dim)
-                        grad[:, :, head].index_add_(1, rows, rows_grad.to(grad.dtype))
-                        at += n
-
-        return finish
+    def finish_backward(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Wait for the gradients of this rank's rows and add them into ``dk, dv``."""
+        for work in self._pending:
+            work.wait()
+        for peer, unions in self.unions_to.items():
+            buf, at = self._incoming[peer], 0
+            for grad in (dk, dv):
+                for head, rows in unions.items():
+                    n = self.batch * len(rows) * self.dim
+                    rows_grad = buf[at : at + n].view(self.batch, len(rows), self.dim)
+                    grad[:, :, head].index_add_(1, rows, rows_grad.to(grad.dtype))
+                    at += n
 
 
 def _head_unions(entries, device) -> dict[int, torch.Tensor]:
     """Per head, the sorted distinct local rows that ``entries`` (:class:`Rows`) cover."""
     per_head: dict[int, list[torch.Tensor]] = {}
     for rows in entries:
-        index = rows.positions(device)
+        index = rows.positions(device).flatten()
         for head in rows.head_indices:
             per_head.setdefault(head, []).append(index)
     return {head: torch.unique(torch.cat(parts)) for head, parts in sorted(per_head.items())}
@@ -228,20 +239,23 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def make_sharding(group, call, dropout_p: float, error: Optional[Exception]) -> Sharding:
+def make_exchange(process_group, call, dropout_p: float, error: Optional[Exception]) -> Exchange:
     """Check that the ranks' inputs are valid and agree (see :func:`agree`), and plan
-    this rank's part. ``call`` is this rank's validated call, or ``None`` with the
-    ``error`` its validation raised."""
+    this rank's part. ``process_group``: a group or a :class:`Communicator`; ``call``:
+    this rank's validated call, or ``None`` with the ``error`` its validation raised."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "process_group was given but torch.distributed is not initialized: call "
             "torch.distributed.init_process_group first, or pass process_group=None for one process"
         )
+    communicator = process_group if isinstance(process_group, Communicator) else Communicator(process_group)
+    group = communicator.group
     lengths, seed = agree(group, call, dropout_p, error)
     batch, _, heads, dim = call.shape
     plan = make_shard_plan(
-        lengths, dist.get_rank(group), heads, call.segment_lengths, call.dilation_rates, call.mode, call.is_causal
+        lengths, dist.get_rank(group), heads, call.segment_lengths, call.dilation_rates, call.mode, call.is_causal,
+        call.head_offsets,
     )
     device = call.q.device
     seed = None if seed is None else torch.tensor(seed, dtype=torch.int64, device=device)
-    return Sharding(group, plan, call.padding is not None, batch, dim, call.q.dtype, device, seed)
+    return Exchange(communicator, plan, call.padding is not None, batch, dim, call.q.dtype, device, seed)

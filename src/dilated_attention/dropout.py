@@ -43,14 +43,13 @@ def draw_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, SEED_BOUND, (), dtype=torch.int64, device=device)
 
 
-def row_keys(seed: torch.Tensor, batch: int, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Keys of query rows, ``(batch, *positions.shape, len(heads))`` int64.
+def row_keys(seed: torch.Tensor, batch_rows: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Keys of query rows, ``(len(batch_rows), *positions.shape, len(heads))`` int64.
 
-    ``heads``: ``(h,)`` absolute head indices; ``positions``: absolute query positions
-    (any shape, int64)."""
+    ``batch_rows``: ``(B,)`` batch row indices; ``heads``: ``(h,)`` absolute head
+    indices; ``positions``: absolute query positions (any shape, int64)."""
     key = _absorb(torch.full((), _ROW_SALT, dtype=torch.int64, device=positions.device), seed)
-    batch_index = torch.arange(batch, device=positions.device).view(batch, *([1] * (positions.dim() + 1)))
-    key = _absorb(key, batch_index)
+    key = _absorb(key, batch_rows.view(-1, *([1] * (positions.dim() + 1))))
     key = _absorb(key, heads.view(*([1] * (positions.dim() + 1)), -1))
     return _absorb(key, positions.unsqueeze(-1).unsqueeze(0))
 

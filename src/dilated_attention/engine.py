@@ -1,18 +1,20 @@
-"""The engine: run every planned block through a fused kernel and merge the results.
+"""The engine: run every planned block through a kernel and merge the results.
 
-Forward, block by block: gather the block's rows of ``q, k, v`` as strided views,
-fold its segments into the kernel's batch dimension, call the kernel, and merge
-its ``(out, lse)`` into the running output and LSE in place with the stable
-log-sum-exp update. Nothing full-size is kept per branch.
+A block (:class:`dilated_attention.plan.Block`) is "these query rows against those
+key rows". Whole sequences, queries at the end of a longer key window (prefill
+chunks, decode steps) and the rows other ranks send are all blocks, and every block
+goes through one pipeline: gather its rows as strided views, fold its segments into
+the kernel's batch dimension, call the kernel, and merge its ``(out, lse)`` into the
+running output and LSE in place with the stable log-sum-exp update. Nothing
+full-size is kept per branch.
 
 Backward: the merged output is one softmax over the union of the keys each query
 sees, so each block's kernel backward, given the *merged* output and LSE, yields
 the exact gradient of the whole function; the block gradients are added into
 ``dq, dk, dv`` in place. The LSE is differentiable too: its gradient enters each
 block's backward as a shift of the softmax's row term (see :func:`_attend_backward`).
-Only the inputs, the mask, the dropout seed, the output and the LSE are saved
-(and, across processes, the rows received from other ranks: see
-:class:`RemoteKeys`, merged after the local blocks).
+Only the inputs, the mask, the dropout seed, the output and the LSE are saved (and,
+across processes, the rows received from other ranks, kept by the exchange).
 
 ``head_groups`` uses the same path: its blocks never overlap, so each result is
 written once, with the final ``1 / G`` applied as it is written.
@@ -22,13 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch
 
 from .dropout import DropoutMask, column_keys, row_keys
 from .kernels import accumulator
-from .plan import Block
+from .plan import Block, Rows
 
 
 @dataclass(frozen=True)
@@ -43,27 +45,71 @@ class EngineConfig:
     and, on CPU, keeps it small enough to be reused rather than freshly paged in
     each call; ``out_scale``: factor applied to the merged output (``1 / G`` in
     ``head_groups``, where blocks never overlap); ``kernel``: one of the classes of
-    :mod:`dilated_attention.kernels`; ``first_position``: the sequence position of
-    the first row of ``q, k, v`` (a shard's start; it keys the dropout masks).
+    :mod:`dilated_attention.kernels`; ``query_position``, ``key_position``: the
+    sequence positions of the first row of ``q`` and of ``k, v``; ``batch_rows``: the
+    batch rows of the caller's tensors that these are (``None``: all, in order).
+    The last three key the dropout masks.
     """
 
     blocks: tuple[Block, ...]
     unwritten_heads: tuple[slice, ...]
     max_call_elements: int
-    is_causal: bool
     scale: float
     dropout_p: float
     out_scale: float
     kernel: type
-    first_position: int = 0
+    query_position: int = 0
+    key_position: int = 0
+    batch_rows: Optional[tuple[int, ...]] = None
 
 
-def _calls(cfg: EngineConfig, batch: int, head_dim: int) -> list[Block]:
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """Rows ``t[..., :]`` holding a NaN or an infinity (two reductions, no full-size temporary)."""
+    return ~(torch.isfinite(t.amax(-1)) & torch.isfinite(t.amin(-1)))
+
+
+def _known_empty(flags: torch.Tensor) -> bool:
+    """Whether ``flags`` (bool) is known to hold no ``True``: checked where that is free
+    (eager on CPU); elsewhere (CUDA, ``torch.compile``) it is not known, and the
+    caller takes the path that is right either way."""
+    return flags.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(flags.any())
+
+
+def nonfinite_rows(*tensors: torch.Tensor) -> Optional[torch.Tensor]:
+    """Rows ``(B, N, H)`` where any of ``tensors`` holds a NaN or an infinity; ``None``
+    where there are known to be none. The fused kernels let such values leak into
+    rows that do not attend to them (a causal future key's value times probability
+    0), so the engine zeroes them and marks the rows they reach instead."""
+    flags = _nonfinite(tensors[0])
+    for t in tensors[1:]:
+        flags = flags | _nonfinite(t)
+    return None if _known_empty(flags) else flags
+
+
+@dataclass
+class KeySource:
+    """Rows that blocks take keys from: ``k``, ``v`` ``(B, L, H', D)``, ``padding``
+    ``(B, L)`` bool or ``None``, ``bad`` (:func:`nonfinite_rows` of ``k, v``); row
+    ``i`` is sequence position ``first_position + step * i``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    padding: Optional[torch.Tensor]
+    first_position: int
+    step: int = 1
+    bad: Optional[torch.Tensor] = None
+
+    def positions(self, rows: Rows) -> torch.Tensor:
+        """Sequence positions of ``rows`` of this source, ``(nseg, count)``."""
+        return self.first_position + self.step * rows.positions(self.k.device)
+
+
+def _calls(blocks, max_call_elements: int, batch: int, head_dim: int) -> list[Block]:
     """The kernel calls: every block, cut into chunks of at most ``max_call_elements``."""
     calls = []
-    for block in cfg.blocks:
-        per_segment = batch * block.rows * block.head_count * head_dim
-        calls.extend(block.chunks(max(1, cfg.max_call_elements // per_segment)))
+    for block in blocks:
+        per_segment = batch * block.queries.count * block.queries.head_count * head_dim
+        calls.extend(block.chunks(max(1, max_call_elements // per_segment)))
     return calls
 
 
@@ -86,7 +132,7 @@ def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
 def _key_mask(pad: Optional[torch.Tensor], dtype, is_causal: bool):
     """From padded keys ``(B', L)`` (bool): the additive bias ``(B', 1, 1, L)`` and the
     query rows left with no key ``(B', 1, L or 1)``; ``(None, None)`` without a mask.
-    Causal masks here are square (queries are the keys' rows)."""
+    Causal blocks are square (queries are the keys' rows)."""
     if pad is None:
         return None, None
     bias = torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill_(pad, -math.inf)
@@ -95,43 +141,12 @@ def _key_mask(pad: Optional[torch.Tensor], dtype, is_causal: bool):
     return bias[:, None, None, :], empty[:, None, :]
 
 
-def _nonfinite(t: torch.Tensor) -> torch.Tensor:
-    """Rows ``t[..., :]`` holding a NaN or an infinity (two reductions, no full-size temporary)."""
-    return ~(torch.isfinite(t.amax(-1)) & torch.isfinite(t.amin(-1)))
-
-
-def _known_empty(flags: torch.Tensor) -> bool:
-    """Whether ``flags`` (bool) is known to hold no ``True``: checked where that is free
-    (eager on CPU); elsewhere (CUDA, ``torch.compile``) it is not known, and the
-    caller takes the path that is right either way."""
-    return flags.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(flags.any())
-
-
-def nonfinite_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """``(bad_q, bad_kv)`` ``(B, N, H)`` bool: rows of ``q``, and of ``k`` or ``v``, that
-    hold a NaN or an infinity; ``None`` where there are known to be none. The fused
-    kernels let such values leak into rows that do not attend to them (a causal
-    future key's value times probability 0), so the engine zeroes them and marks the
-    rows they reach instead."""
-    bad_q, bad_kv = _nonfinite(q), _nonfinite(k) | _nonfinite(v)
-    return None if _known_empty(bad_q | bad_kv) else (bad_q, bad_kv)
-
-
 def _clean(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad):
     """``q, k, v`` (kernel layout) with their non-finite rows set to 0."""
     if bad is None:
         return q, k, v
     q_rows, kv_rows = bad[0].unsqueeze(-1), bad[1].unsqueeze(-1)
     return q.masked_fill(q_rows, 0.0), k.masked_fill(kv_rows, 0.0), v.masked_fill(kv_rows, 0.0)
-
-
-def _append_column(t: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
-    """``t`` ``(..., D)`` with ``column`` ``(...)`` as its column ``D``: a new contiguous
-    tensor (the CPU flash backward mishandles other layouts of the same shape)."""
-    out = t.new_empty(*t.shape[:-1], t.shape[-1] + 1)
-    out[..., :-1] = t
-    out[..., -1] = column
-    return out
 
 
 def _reached_rows(bad, pad: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
@@ -144,87 +159,94 @@ def _reached_rows(bad, pad: Optional[torch.Tensor], is_causal: bool) -> torch.Te
     return bad_q | reached
 
 
+def _append_column(t: torch.Tensor, column) -> torch.Tensor:
+    """``t`` ``(..., D)`` with ``column`` ``(...)`` as its column ``D``: a new contiguous
+    tensor (the CPU flash backward mishandles other layouts of the same shape)."""
+    out = t.new_empty(*t.shape[:-1], t.shape[-1] + 1)
+    out[..., :-1] = t
+    out[..., -1] = column
+    return out
+
+
 @dataclass
-class RemoteKeys:
-    """Keys and values that another rank sent for one local query block.
+class _Call:
+    """One kernel call's inputs, in kernel layout: ``q`` ``(B', h, Lq, D)``, ``k, v``
+    ``(B', h, Lk, D)``, ``pad`` ``(B', Lk)``, ``bad`` (query and key non-finite rows)."""
 
-    ``query``: the local query rows (one segment); ``k``, ``v``: ``(B, h, L, D)``
-    kernel layout; ``padding``: ``(B, L)`` bool or ``None``; ``positions``: ``(L,)``
-    the keys' positions in the sequence. The queries see all of them (the sender's
-    rows all precede the queries when causal)."""
-
-    query: Block
+    q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    padding: Optional[torch.Tensor]
-    positions: torch.Tensor
+    pad: Optional[torch.Tensor]
+    bad: Optional[tuple[torch.Tensor, torch.Tensor]]
+    is_causal: bool
+    dropout: Optional[DropoutMask]
 
 
-def _attend(cfg: EngineConfig, q, k, v, pad, bad, is_causal: bool, dropout: Optional[DropoutMask]):
+def _call(cfg: EngineConfig, block: Block, q, bad_q, source: KeySource, seed) -> _Call:
+    """Gather the rows of one block (strided views; nothing is copied)."""
+    batch = q.shape[0]
+    keys = block.keys
+    pad = None if source.padding is None else keys.select(source.padding).flatten(0, 1)
+    bad = None
+    if bad_q is not None or source.bad is not None:
+        query_flags = block.queries.select(bad_q) if bad_q is not None else None
+        key_flags = keys.select(source.bad) if source.bad is not None else None
+        query_flags = _zeros_like_rows(key_flags, block.queries) if query_flags is None else query_flags
+        key_flags = _zeros_like_rows(query_flags, keys) if key_flags is None else key_flags
+        bad = (_to_kernel(query_flags), _to_kernel(key_flags))
+    dropout = None
+    if seed is not None:
+        positions = cfg.query_position + block.queries.positions(q.device)
+        heads = torch.arange(q.shape[2], device=q.device)[block.queries.heads]
+        rows = torch.arange(batch, device=q.device) if cfg.batch_rows is None else torch.tensor(cfg.batch_rows)
+        columns = column_keys(source.positions(keys)).expand(batch, -1, -1).flatten(0, 1).unsqueeze(1)
+        keys_of_rows = row_keys(seed, rows.to(q.device), heads, positions)
+        dropout = DropoutMask(cfg.dropout_p, _to_kernel(keys_of_rows), columns)
+    return _Call(
+        _to_kernel(block.queries.select(q)), _to_kernel(keys.select(source.k)), _to_kernel(keys.select(source.v)),
+        pad, bad, block.is_causal, dropout,
+    )
+
+
+def _zeros_like_rows(flags: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """All-False flags ``(B, nseg, count, h)`` for ``rows``, shaped after ``flags``."""
+    return flags.new_zeros(flags.shape[0], rows.nseg, rows.count, rows.head_count)
+
+
+def _attend(cfg: EngineConfig, call: _Call):
     """``(out, lse)`` of one kernel call in kernel layout, with the rules of the
     definition a fused kernel does not keep by itself: padded keys have no effect
     whatever they hold, a non-finite value makes exactly the rows it reaches NaN,
-    and a row with no key is ``0``, ``-inf``. ``bad``: ``None`` or the call's
-    ``(bad_q (B', h, Lq), bad_k (B', h, Lk))`` from :func:`nonfinite_rows`."""
-    q, k, v = _clean(q, k, v, bad)
-    bias, empty = _key_mask(pad, q.dtype, is_causal)
-    o, l = cfg.kernel.forward(q, k, v, bias, is_causal, cfg.scale, dropout)
-    if bad is not None:
-        reached = _reached_rows(bad, pad, is_causal)
+    and a row with no key is ``0``, ``-inf``."""
+    q, k, v = _clean(call.q, call.k, call.v, call.bad)
+    bias, empty = _key_mask(call.pad, q.dtype, call.is_causal)
+    o, l = cfg.kernel.forward(q, k, v, bias, call.is_causal, cfg.scale, call.dropout)
+    if call.bad is not None:
+        reached = _reached_rows(call.bad, call.pad, call.is_causal)
         o, l = o.masked_fill(reached.unsqueeze(-1), math.nan), l.masked_fill(reached, math.nan)
     if empty is not None:
         o, l = o.masked_fill(empty.unsqueeze(-1), 0.0), l.masked_fill(empty, -math.inf)
     return o, l
 
 
-def _attend_backward(cfg: EngineConfig, grad, q, k, v, out, lse, lse_grad, pad, bad, is_causal: bool, dropout):
+def _attend_backward(cfg: EngineConfig, call: _Call, grad, out, lse, lse_grad):
     """``dq, dk, dv`` of one kernel call (kernel layout), given the merged ``out`` and
-    ``lse`` (``+inf`` on rows with no key).
+    ``lse`` (``+inf`` on rows with no key or reached by a non-finite value).
 
     ``lse_grad`` ``(B', h, Lq)`` or ``None``: a gradient reaching the LSE. It adds
     ``P_ij * g_i`` to the score gradient ``P * (dP - delta)``, i.e. lowers
     ``delta = rowsum(grad * out)`` by ``g``. The kernels get it through one more
     head-dim column: 0 in ``q, k, v`` (nothing else changes), ``c`` in ``out`` and
     ``-g / c`` in ``grad``, with ``c = sqrt(max(|g|, 1))`` so that both fit float16."""
-    q, k, v = _clean(q, k, v, bad)
-    bias, _ = _key_mask(pad, q.dtype, is_causal)
+    q, k, v = _clean(call.q, call.k, call.v, call.bad)
+    bias, _ = _key_mask(call.pad, q.dtype, call.is_causal)
     dim = q.shape[-1]
     if lse_grad is not None:
         split = lse_grad.abs().clamp(min=1.0).sqrt()
         q, k, v = (_append_column(t, 0.0) for t in (q, k, v))
         out, grad = _append_column(out, split), _append_column(grad, -lse_grad / split)
-    dq, dk, dv = cfg.kernel.backward(grad, q, k, v, out, lse, bias, is_causal, cfg.scale, dropout)
+    dq, dk, dv = cfg.kernel.backward(grad, q, k, v, out, lse, bias, call.is_causal, cfg.scale, call.dropout)
     return dq[..., :dim], dk[..., :dim], dv[..., :dim]
-
-
-def _block_rows(block: Block, padding: Optional[torch.Tensor], bad):
-    """The block's rows of the padding mask ``(B * nseg, rows)`` and of the
-    non-finite flags (kernel layout), each ``None`` where absent."""
-    pad = None if padding is None else block.select(padding).flatten(0, 1)
-    return pad, None if bad is None else tuple(_to_kernel(block.select(t)) for t in bad)
-
-
-def _remote_rows(piece: RemoteKeys, bad):
-    """The non-finite flags of a call on received keys: the local queries' (none if
-    ``bad`` is ``None``) and the received keys', which are always checked."""
-    bad_k = _nonfinite(piece.k) | _nonfinite(piece.v)
-    if bad is None:  # one segment of queries: (B, h, rows)
-        return bad_k.new_zeros(*bad_k.shape[:2], piece.query.rows), bad_k
-    return _to_kernel(piece.query.select(bad[0])), bad_k
-
-
-def _dropout(cfg: EngineConfig, seed, query: Block, q: torch.Tensor, key_positions=None):
-    """The :class:`DropoutMask` of a call whose queries are ``query``'s rows and whose
-    keys are the same rows, or other rows at ``key_positions`` ``(L,)``; ``None``
-    without dropout."""
-    if seed is None:
-        return None
-    batch, _, num_heads, _ = q.shape
-    positions = query.positions(cfg.first_position, q.device)
-    heads = torch.arange(num_heads, device=q.device)[query.heads]
-    rows = _to_kernel(row_keys(seed, batch, heads, positions))
-    columns = column_keys(positions if key_positions is None else key_positions.expand(positions.shape[0], -1))
-    return DropoutMask(cfg.dropout_p, rows, columns.expand(batch, -1, -1).flatten(0, 1).unsqueeze(1))
 
 
 def _buffer(shape, dtype, device, cfg: EngineConfig, fill: float) -> torch.Tensor:
@@ -266,41 +288,46 @@ def _accumulation_dtype(dtype: torch.dtype, cfg: EngineConfig, remote: bool = Fa
     return torch.float32 if merges and dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def engine_forward(
-    q, k, v, padding, seed, cfg: EngineConfig, remote: Optional[Callable[[], Sequence[RemoteKeys]]] = None
-):
-    """Output ``(B, N, H, D)`` in ``q.dtype`` and LSE ``(B, N, H)``; see module docstring.
+def _keys_are_queries(cfg: EngineConfig) -> bool:
+    """Whether every local block's key rows are its query rows (one sequence, no
+    window): then key gradients are written as the query cells are, else added into
+    zeros."""
+    return all(block.keys == block.queries for block in cfg.blocks)
+
+
+def engine_forward(q, k, v, padding, seed, cfg: EngineConfig, exchange=None):
+    """Output ``(B, Lq, H, D)`` in ``q.dtype`` and LSE ``(B, Lq, H)``; see module docstring.
 
     ``seed``: 0-dim int64 tensor of the dropout masks, or ``None`` without dropout.
-    ``remote``, when given, is called after the local blocks have run (so that data in
-    flight from other ranks overlaps them) and returns the remote keys to merge in."""
-    batch, seq_len, heads, _ = q.shape
-    out = _buffer(q.shape, _accumulation_dtype(q.dtype, cfg, remote is not None), q.device, cfg, 0.0)
-    lse = _buffer((batch, seq_len, heads), accumulator(q.dtype), q.device, cfg, -math.inf)
-    bad = nonfinite_rows(q, k, v)
-    for block in _calls(cfg, batch, q.shape[-1]):
-        qb, kb, vb = (_to_kernel(block.select(t)) for t in (q, k, v))
-        pad, block_bad = _block_rows(block, padding, bad)
-        o, l = _attend(cfg, qb, kb, vb, pad, block_bad, cfg.is_causal, _dropout(cfg, seed, block, q))
-        o, l = _from_kernel(o, batch), _from_kernel(l, batch)
-        out_view, lse_view = block.select(out), block.select(lse)
-        if block.fresh:
-            _write(out_view, o, True, cfg.out_scale)
-            lse_view.copy_(l)
-        else:
-            _merge_into(out_view, lse_view, o, l, cfg.out_scale)
-    for piece in remote() if remote is not None else ():
-        qb = _to_kernel(piece.query.select(q))
-        dropout = _dropout(cfg, seed, piece.query, q, piece.positions)
-        o, l = _attend(cfg, qb, piece.k, piece.v, piece.padding, _remote_rows(piece, bad), False, dropout)
-        o, l = _from_kernel(o, batch), _from_kernel(l, batch)
-        _merge_into(piece.query.select(out), piece.query.select(lse), o, l, cfg.out_scale)
+    ``exchange`` (a :class:`dilated_attention.distributed.Exchange`, or ``None``) has
+    posted the transfer of other ranks' rows; it is finished after the local blocks
+    have run, so that the transfer overlaps them, and its blocks are merged in."""
+    batch, length, heads, dim = q.shape
+    out = _buffer(q.shape, _accumulation_dtype(q.dtype, cfg, exchange is not None), q.device, cfg, 0.0)
+    lse = _buffer((batch, length, heads), accumulator(q.dtype), q.device, cfg, -math.inf)
+    bad_q = nonfinite_rows(q)
+    sources = [KeySource(k, v, padding, cfg.key_position, bad=nonfinite_rows(k, v))]
+
+    def run(blocks):
+        for block in _calls(blocks, cfg.max_call_elements, batch, dim):
+            o, l = _attend(cfg, _call(cfg, block, q, bad_q, sources[block.source], seed))
+            o, l = _from_kernel(o, batch), _from_kernel(l, batch)
+            out_view, lse_view = block.queries.select(out), block.queries.select(lse)
+            if block.fresh:
+                _write(out_view, o, True, cfg.out_scale)
+                lse_view.copy_(l)
+            else:
+                _merge_into(out_view, lse_view, o, l, cfg.out_scale)
+
+    run(cfg.blocks)
+    if exchange is not None:
+        remote_sources, remote_blocks = exchange.finish_forward()
+        sources.extend(remote_sources)
+        run(remote_blocks)
     return out.to(q.dtype), lse
 
 
-def engine_backward(
-    grad_out, grad_lse, q, k, v, padding, seed, out, lse, cfg: EngineConfig, remote=(), send_remote=None
-):
+def engine_backward(grad_out, grad_lse, q, k, v, padding, seed, out, lse, cfg: EngineConfig, exchange=None):
     """``dq, dk, dv`` given ``grad_out`` and ``grad_lse`` (either may be ``None``: no
     gradient reaches that output); ``out``/``lse`` as returned by :func:`engine_forward`.
 
@@ -310,12 +337,16 @@ def engine_backward(
     for ``grad_out`` and ``O``, so only ``O`` is formed and ``s`` joins the copy (the
     LSE's gradient, not scaled by ``s``, enters divided by it).
 
-    ``remote``: the :class:`RemoteKeys` of the forward; their gradients ``(dk, dv)``
-    (kernel layout) are computed first and handed to ``send_remote`` before the local
-    blocks run, so that sending them overlaps the local work."""
-    batch = q.shape[0]
-    acc = _accumulation_dtype(q.dtype, cfg, bool(remote))
-    grads = [_buffer(t.shape, acc, t.device, cfg, 0.0) for t in (q, k, v)]
+    The blocks on other ranks' rows run first: the gradients of those rows are handed
+    to ``exchange`` to send while the local blocks run."""
+    batch, _, _, dim = q.shape
+    remote_sources, remote_blocks = exchange.received if exchange is not None else ([], [])
+    acc = _accumulation_dtype(q.dtype, cfg, exchange is not None)
+    grad_q = _buffer(q.shape, acc, q.device, cfg, 0.0)
+    if _keys_are_queries(cfg):
+        grad_k, grad_v = (_buffer(t.shape, acc, t.device, cfg, 0.0) for t in (k, v))
+    else:
+        grad_k, grad_v = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     # A row with no key at all has lse = -inf; +inf makes all its probabilities 0.
     # A row that a non-finite input reached (lse NaN) is a constant NaN: it passes
@@ -326,61 +357,59 @@ def engine_backward(
         no_key = no_key | dead
     lse = lse.masked_fill(no_key, math.inf)
     lse_grad = None if grad_lse is None else grad_lse.masked_fill(no_key, 0.0) / cfg.out_scale
+    bad_q = nonfinite_rows(q)
+    sources = [KeySource(k, v, padding, cfg.key_position, bad=nonfinite_rows(k, v)), *remote_sources]
 
-    def inputs(query: Block):
-        """The query block's rows of the output, its gradients and the LSE, kernel layout."""
-        ob, gb, lb = (_to_kernel(query.select(t)) for t in (out, grad_out, lse))
+    def block_grads(block: Block):
+        """``dq, dk, dv`` of one block, ``(B, nseg, rows, h, D)`` each."""
+        ob, gb, lb = (_to_kernel(block.queries.select(t)) for t in (out, grad_out, lse))
         ob = ob / cfg.out_scale if cfg.out_scale != 1.0 else ob
-        return gb, ob, lb, None if lse_grad is None else _to_kernel(query.select(lse_grad))
+        glb = None if lse_grad is None else _to_kernel(block.queries.select(lse_grad))
+        call = _call(cfg, block, q, bad_q, sources[block.source], seed)
+        return [_from_kernel(g, batch) for g in _attend_backward(cfg, call, gb, ob, lb, glb)]
 
-    bad = nonfinite_rows(q, k, v)
-    remote_dq, remote_grads = [], []
-    for piece in remote:
-        gb, ob, lb, glb = inputs(piece.query)
-        dropout = _dropout(cfg, seed, piece.query, q, piece.positions)
-        qb = _to_kernel(piece.query.select(q))
-        dq, dk, dv = _attend_backward(
-            cfg, gb, qb, piece.k, piece.v, ob, lb, glb, piece.padding, _remote_rows(piece, bad), False, dropout
-        )
-        remote_dq.append(dq)  # added after the local blocks, whose fresh writes come first
-        remote_grads.append((dk * cfg.out_scale, dv * cfg.out_scale) if cfg.out_scale != 1.0 else (dk, dv))
-    if send_remote is not None:
-        send_remote(remote_grads)
-    for block in _calls(cfg, batch, q.shape[-1]):
-        qb, kb, vb = (_to_kernel(block.select(t)) for t in (q, k, v))
-        gb, ob, lb, glb = inputs(block)
-        pad, block_bad = _block_rows(block, padding, bad)
-        block_grads = _attend_backward(
-            cfg, gb, qb, kb, vb, ob, lb, glb, pad, block_bad, cfg.is_causal, _dropout(cfg, seed, block, q)
-        )
-        for grad, block_grad in zip(grads, block_grads):
-            _write(block.select(grad), _from_kernel(block_grad, batch), block.fresh, cfg.out_scale)
-    for piece, dq in zip(remote, remote_dq):
-        _write(piece.query.select(grads[0]), _from_kernel(dq, batch), False, cfg.out_scale)
-    return grads
+    remote_dq, remote_key_grads = [], []
+    for block in remote_blocks:  # one block per received source, in order
+        dq, dk, dv = block_grads(block)
+        remote_dq.append((block, dq))  # added after the local blocks, whose fresh writes come first
+        remote_key_grads.append(tuple(g.squeeze(1) * cfg.out_scale for g in (dk, dv)))
+    if exchange is not None:
+        exchange.start_backward(remote_key_grads)
+    keys_fresh = _keys_are_queries(cfg)
+    for block in _calls(cfg.blocks, cfg.max_call_elements, batch, dim):
+        dq, dk, dv = block_grads(block)
+        _write(block.queries.select(grad_q), dq, block.fresh, cfg.out_scale)
+        for grad, block_grad in ((grad_k, dk), (grad_v, dv)):
+            _write(block.keys.select(grad), block_grad, block.fresh and keys_fresh, cfg.out_scale)
+    for block, dq in remote_dq:
+        _write(block.queries.select(grad_q), dq, False, cfg.out_scale)
+    if exchange is not None:
+        exchange.finish_backward(grad_k, grad_v)
+    return grad_q, grad_k, grad_v
 
 
 class DilatedAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper of the engine: inputs ``q, k, v`` ``(B, N, H, D)`` (last dim
-    unit-stride), an optional bool ``padding`` ``(B, N)`` and the dropout ``seed``;
-    outputs ``out`` and ``lse``, both differentiable.
+    """Autograd wrapper of the engine: inputs ``q`` ``(B, Lq, H, D)``, ``k, v``
+    ``(B, Lk, H, D)`` (last dims unit-stride), an optional bool ``padding`` ``(B, Lk)``
+    and the dropout ``seed``; outputs ``out`` and ``lse``, both differentiable.
 
-    ``sharding`` (a :class:`dilated_attention.distributed.Sharding`, or ``None``) makes
-    the inputs one rank's shard: other ranks' key/value rows are received while the
-    local blocks run, and their gradients are sent back while the local backward runs.
-    Double backward is refused: the backward is not itself differentiable.
+    ``exchange`` (a :class:`dilated_attention.distributed.Exchange`, or ``None``)
+    makes the inputs one rank's shard: other ranks' key/value rows are received while
+    the local blocks run, and their gradients are sent back while the local backward
+    runs. Double backward is refused: the backward is not itself differentiable.
     """
 
     @staticmethod
-    def forward(q, k, v, padding, seed, cfg: EngineConfig, sharding=None):
-        remote = sharding.send_keys(k, v, padding) if sharding is not None else None
-        return engine_forward(q, k, v, padding, seed, cfg, remote)
+    def forward(q, k, v, padding, seed, cfg: EngineConfig, exchange=None):
+        if exchange is not None:
+            exchange.start_forward(k, v, padding)
+        return engine_forward(q, k, v, padding, seed, cfg, exchange)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, padding, seed, cfg, sharding = inputs
+        q, k, v, padding, seed, cfg, exchange = inputs
         ctx.save_for_backward(q, k, v, padding, seed, *output)
-        ctx.cfg, ctx.sharding = cfg, sharding
+        ctx.cfg, ctx.exchange = cfg, exchange
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -397,14 +426,9 @@ class DilatedAttentionFunction(torch.autograd.Function):
                 "differentiable, so it is refused rather than silently cut from the graph"
             )
         q, k, v, padding, seed, out, lse = ctx.saved_tensors
-        sharding, pending = ctx.sharding, []
         grads = engine_backward(
             None if grad_out is None else contiguous_last_dim(grad_out), grad_lse,
-            q, k, v, padding, seed, out, lse, ctx.cfg,
-            remote=sharding.pieces if sharding is not None else (),
-            send_remote=(lambda g: pending.append(sharding.send_key_grads(g))) if sharding is not None else None,
+            q, k, v, padding, seed, out, lse, ctx.cfg, ctx.exchange,
         )
-        for finish in pending:
-            finish(grads[1], grads[2])
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
         return dq, dk, dv, None, None, None, None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -28,10 +28,12 @@ def dilated_attention(
     dilation_rates: Sequence[int],
     *,
     mode: str = "mixture",
+    head_offsets: str = "interleaved",
     is_causal: bool = False,
     softmax_scale: Optional[float] = None,
     dropout_p: float = 0.0,
     key_padding_mask: Optional[torch.Tensor] = None,
+    key_offset: Union[int, torch.Tensor] = 0,
     return_lse: bool = False,
     layout: str = "bnhd",
     process_group=None,
@@ -39,15 +41,21 @@ def dilated_attention(
     """LongNet dilated attention, computed exactly as ``docs/definition.md`` defines it.
 
     Args:
-        q, k, v: ``(B, N, H, D)`` = (batch, seq_len, heads, head_dim), or with
-            ``layout="bhnd"`` ``(B, H, N, D)`` (PyTorch SDPA's layout); one shape,
-            dtype and device, any strides. Any ``N >= 1``.
+        q: ``(B, Lq, H, D)`` = (batch, seq_len, heads, head_dim), or with
+            ``layout="bhnd"`` ``(B, H, Lq, D)`` (PyTorch SDPA's layout); any strides.
+        k, v: ``(B, Lk, H, D)`` (or ``(B, H, Lk, D)``), ``Lk >= Lq``; the same dtype
+            and device as ``q``. Usually ``Lq = Lk``: self-attention over one sequence.
+            With ``is_causal``, ``q`` may hold only the *last* ``Lq`` of the keys'
+            positions (a prefill chunk, a decode step).
         segment_lengths: ``w_i >= 1`` per branch (``w > N`` means one segment).
         dilation_rates: ``r_i >= 1`` per branch, as many as ``segment_lengths``.
-        mode: ``"mixture"`` (every branch on every head, head ``j`` with offset
-            ``j % r_i``, results mixed by their softmax denominators) or
-            ``"head_groups"`` (branch ``i`` on head group ``i`` only, output divided
-            by the number of branches; needs ``H >= len(segment_lengths)``).
+        mode: ``"mixture"`` (every branch on every head, results mixed by their
+            softmax denominators) or ``"head_groups"`` (branch ``i`` on head group
+            ``i`` only, output divided by the number of branches; needs
+            ``H >= len(segment_lengths)``).
+        head_offsets: in ``mixture``, which offset head ``j`` uses in a branch of
+            rate ``r``: ``"interleaved"`` (``j % r``, the paper) or ``"contiguous"``
+            (``j // ceil(H / r)``, torchscale's LongNet and LongViT).
         is_causal: a query attends only to keys at positions ``<=`` its own.
         softmax_scale: factor on ``q @ k^T``, any finite float; default ``D ** -0.5``.
         dropout_p: dropout on the attention probabilities, applied whenever it is
@@ -55,17 +63,22 @@ def dilated_attention(
             depends only on a seed drawn from PyTorch's generator of the inputs'
             device and on its (batch row, head, query, key) position. Uses the
             unfused math kernel.
-        key_padding_mask: optional bool ``(B, N)``, ``True`` marks a padded key;
+        key_padding_mask: optional bool ``(B, Lk)``, ``True`` marks a padded key;
             padded keys have no effect at all, whatever their rows hold.
+        key_offset: the sequence position of ``k``'s first row (an int, or a ``(B,)``
+            integer tensor: one per sequence); the queries are positions
+            ``key_offset + Lk - Lq ..``. Segments are anchored at position 0, and the
+            keys must reach back to the start of the first query's segment in every
+            branch (the last ``max(segment_lengths)`` positions always do).
         return_lse: also return the log-sum-exp.
         layout: ``"bnhd"`` (default) or ``"bhnd"``: the layout of ``q, k, v``, of
-            the output and of the LSE (``(B, N, H)`` or ``(B, H, N)``).
-        process_group: a ``torch.distributed`` process group (``None``: one process).
-            Then ``q, k, v`` (and the mask) are this rank's contiguous shard of the
-            sequence, rank ``k`` holding the ``k``-th; shards may differ in length
-            (the lengths are exchanged on every call, with a check that all ranks
-            use the same configuration). The output and LSE are the same shard of
-            the single-process result, and so are the gradients.
+            the output and of the LSE (``(B, Lq, H)`` or ``(B, H, Lq)``).
+        process_group: a ``torch.distributed`` process group, or a
+            :class:`dilated_attention.distributed.Communicator` (``None``: one
+            process). Then ``q, k, v`` (and the mask) are this rank's contiguous shard
+            of the sequence, rank ``k`` holding the ``k``-th; shards may differ in
+            length. The output and LSE are the same shard of the single-process
+            result, and so are the gradients.
 
     Returns:
         ``out`` (the layout of ``q``) in the dtype of ``q``; with ``return_lse``,
@@ -81,47 +94,85 @@ def dilated_attention(
 
     def validate():
         call = validation.check_attention(
-            q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask, layout
+            q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask, layout,
+            head_offsets, key_offset,
         )
         return call, validation.check_dropout(dropout_p), validation.check_flag(return_lse, "return_lse")
 
+    exchange = None
     if process_group is None:
         call, dropout, want_lse = validate()
         seed = draw_seed(call.q.device) if dropout > 0 else None
-        blocks = make_plan(call.shape[1], call.shape[2], call.segment_lengths, call.dilation_rates, call.mode)
-        sharding, first_position = None, 0
     else:
-        from .distributed import make_sharding
+        from .distributed import make_exchange
 
         try:
             call, dropout, want_lse = validate()
+            if call.num_keys != call.shape[1] or any(call.key_offsets):
+                raise ValueError(
+                    "process_group takes shards of one whole sequence: q, k, v of one length and "
+                    "key_offset=0 (queries at the end of a key window are not split across processes)"
+                )
             error = None
         except (ValueError, TypeError) as exc:
             call = dropout = want_lse = None
             error = exc
-        sharding = make_sharding(process_group, call, dropout, error)
-        seed, blocks, first_position = sharding.seed, sharding.plan.blocks, sharding.plan.first_position
-    _, _, num_heads, _ = call.shape
+        exchange = make_exchange(process_group, call, dropout, error)
+        seed = exchange.seed
     if torch.jit.is_tracing():
         warnings.warn(
-            f"torch.jit.trace records dilated_attention for q, k, v of shape {call.shape} (B, N, H, D) "
-            "only: the traced graph computes wrong numbers for other sequence lengths or head "
-            "counts. Trace once per shape, or use torch.compile, which follows shape changes.",
+            f"torch.jit.trace records dilated_attention for q of shape {call.shape} (B, Lq, H, D) and "
+            f"{call.num_keys} keys only: the traced graph computes wrong numbers for other lengths or "
+            "head counts. Trace once per shape, or use torch.compile, which follows shape changes.",
             stacklevel=2,
         )
+    groups = _rows_by_key_offset(call.key_offsets)
+    if len(groups) == 1:
+        out, lse = _attend(call, call.key_offsets[0], None, dropout, seed, exchange)
+    else:
+        parts = [_attend(call, offset, rows, dropout, seed, None) for offset, rows in groups]
+        order = torch.cat([torch.as_tensor(rows, device=call.q.device) for _, rows in groups]).argsort()
+        out, lse = (torch.cat(part)[order] for part in zip(*parts))
+    if layout == "bhnd":
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    return (out, lse) if want_lse else out
+
+
+def _rows_by_key_offset(key_offsets: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
+    """``(offset, batch rows)`` for each distinct key offset, in order of first use."""
+    rows: dict[int, list[int]] = {}
+    for row, offset in enumerate(key_offsets):
+        rows.setdefault(offset, []).append(row)
+    return [(offset, tuple(members)) for offset, members in rows.items()]
+
+
+def _attend(call, key_offset: int, rows, dropout: float, seed, exchange):
+    """The engine on the batch rows ``rows`` (all if ``None``) of a validated call,
+    whose keys start at ``key_offset``."""
+    batch, num_queries, num_heads, _ = call.shape
+    if exchange is not None:
+        blocks, query_position = exchange.plan.blocks, exchange.plan.first_position
+    else:
+        blocks = make_plan(
+            num_queries, num_heads, call.segment_lengths, call.dilation_rates, call.mode, call.is_causal,
+            call.head_offsets, call.num_keys, key_offset,
+        )
+        query_position = key_offset + call.num_keys - num_queries
     cfg = EngineConfig(
         blocks=tuple(blocks),
         unwritten_heads=tuple(partly_covered_heads(num_heads, call.dilation_rates, call.mode)),
         max_call_elements=MAX_CALL_ELEMENTS.get(call.q.device.type, MAX_CALL_ELEMENTS["default"]),
-        is_causal=call.is_causal,
         scale=validation.kernel_scale(call.scale, call.q.dtype),
         dropout_p=dropout,
         out_scale=1.0 if call.mode == "mixture" else 1.0 / len(call.segment_lengths),
         kernel=select_kernel(call.q.device, call.q.dtype, dropout),
-        first_position=first_position,
+        query_position=query_position,
+        key_position=query_position + num_queries - call.num_keys,
+        batch_rows=rows,
     )
-    q_, k_, v_ = (contiguous_last_dim(t) for t in (call.q, call.k, call.v))
-    out, lse = DilatedAttentionFunction.apply(q_, k_, v_, call.padding, seed, cfg, sharding)
-    if layout == "bhnd":
-        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
-    return (out, lse) if want_lse else out
+    tensors = [call.q, call.k, call.v, call.padding]
+    if rows is not None:
+        index = torch.as_tensor(rows, device=call.q.device)
+        tensors = [None if t is None else t.index_select(0, index) for t in tensors]
+    q, k, v = (contiguous_last_dim(t) for t in tensors[:3])
+    return DilatedAttentionFunction.apply(q, k, v, tensors[3], seed, cfg, exchange)

@@ -4,6 +4,8 @@ Every kernel computes, for tensors in kernel layout ``(batch, heads, L, D)``,
 
     forward(q, k, v, bias, is_causal, scale, dropout)  -> out (batch, heads, Lq, D), lse (batch, heads, Lq)
     backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout) -> dq, dk, dv
+    supports(device, dtype, dropout) -> bool
+
 
 where ``lse`` is the natural-log softmax denominator (scale applied) and the
 backward uses the ``out``/``lse`` it is given, not its own. Given the *merged*
@@ -60,6 +62,10 @@ def _query_chunks(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
 
 class MathKernel:
     """Explicit softmax attention; supports dropout and every device and dtype."""
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype, dropout: bool) -> bool:
+        return True
 
     @staticmethod
     def _scores(q, k, bias, is_causal, scale, rows: slice):
@@ -127,11 +133,21 @@ def _positive_scale(q: torch.Tensor, scale: float, is_causal: bool):
     return torch.zeros_like(q), 1.0, 0.0
 
 
+def _refuse_dropout(kernel: type, dropout) -> None:
+    if dropout is not None:
+        raise ValueError(f"{kernel.__name__} has no dropout: use MathKernel (select_kernel picks it)")
+
+
 class CpuFlashKernel:
     """PyTorch's fused CPU flash attention (no dropout)."""
 
     @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype, dropout: bool) -> bool:
+        return device.type == "cpu" and not dropout
+
+    @staticmethod
     def forward(q, k, v, bias, is_causal, scale, dropout=None):
+        _refuse_dropout(CpuFlashKernel, dropout)
         q, scale, _ = _positive_scale(q, scale, is_causal)
         return _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
@@ -139,6 +155,7 @@ class CpuFlashKernel:
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout=None):
+        _refuse_dropout(CpuFlashKernel, dropout)
         q, scale, sign = _positive_scale(q, scale, is_causal)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale
@@ -181,7 +198,12 @@ class CudaEfficientKernel:
     always passed explicitly, so padding the head dim does not change it."""
 
     @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype, dropout: bool) -> bool:
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16, torch.float32) and not dropout
+
+    @staticmethod
     def forward(q, k, v, bias, is_causal, scale, dropout=None):
+        _refuse_dropout(CudaEfficientKernel, dropout)
         dim, length = q.shape[-1], q.shape[2]
         q, scale, _ = _positive_scale(q, scale, is_causal)
         qp, kp, vp = _pad_head_dim(q, k, v)
@@ -192,6 +214,7 @@ class CudaEfficientKernel:
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout=None):
+        _refuse_dropout(CudaEfficientKernel, dropout)
         dim, length = q.shape[-1], q.shape[2]
         q, scale, sign = _positive_scale(q, scale, is_causal)
         lse_padded = lse.new_full((*lse.shape[:-1], _cuda_lse_width(length)), math.inf, dtype=torch.float32)
@@ -205,13 +228,11 @@ class CudaEfficientKernel:
         return (dq if sign == 1.0 else dq * sign), dk[..., :dim], dv[..., :dim]
 
 
+KERNELS = (CpuFlashKernel, CudaEfficientKernel, MathKernel)
+
+
 def select_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float):
-    """The fused kernel for this device and dtype, or ``MathKernel`` where none applies
-    (dropout, float64 on CUDA, other devices)."""
-    if dropout_p > 0:
-        return MathKernel
-    if device.type == "cpu":
-        return CpuFlashKernel
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return CudaEfficientKernel
-    return MathKernel
+    """The first of :data:`KERNELS` that supports this device, dtype and dropout: the
+    fused kernel where one applies, else ``MathKernel`` (dropout, float64 on CUDA,
+    other devices)."""
+    return next(kernel for kernel in KERNELS if kernel.supports(device, dtype, dropout_p > 0))

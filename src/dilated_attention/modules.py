@@ -39,6 +39,7 @@ class DilatedAttention(nn.Module):
         dilation_rates: Sequence[int],
         *,
         mode: str = "mixture",
+        head_offsets: str = "interleaved",
         softmax_scale: Optional[float] = None,
         dropout: float = 0.0,
         layout: str = "bnhd",
@@ -46,6 +47,7 @@ class DilatedAttention(nn.Module):
         super().__init__()
         self.segment_lengths, self.dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
         self.mode = validation.check_mode(mode)
+        self.head_offsets = validation.check_head_offsets(head_offsets)
         if softmax_scale is not None:
             softmax_scale = validation.check_scale(softmax_scale, 1)
         self.softmax_scale = softmax_scale
@@ -60,10 +62,12 @@ class DilatedAttention(nn.Module):
         is_causal: bool = False,
         key_padding_mask: Optional[torch.Tensor] = None,
         process_group=None,
+        key_offset=0,
     ) -> torch.Tensor:
-        """``q, k, v`` ``(B, N, H, D)`` -> ``(B, N, H, D)`` (or ``(B, H, N, D)`` with
-        ``layout="bhnd"``); with ``process_group``, this rank's shard of the sequence
-        (see :func:`dilated_attention.dilated_attention`)."""
+        """``q`` ``(B, Lq, H, D)``, ``k, v`` ``(B, Lk, H, D)`` -> ``(B, Lq, H, D)`` (or
+        ``(B, H, L, D)`` with ``layout="bhnd"``); with ``process_group``, this rank's
+        shard of the sequence; ``key_offset``: the position of ``k``'s first row (see
+        :func:`dilated_attention.dilated_attention`)."""
         return dilated_attention(
             q,
             k,
@@ -71,10 +75,12 @@ class DilatedAttention(nn.Module):
             self.segment_lengths,
             self.dilation_rates,
             mode=self.mode,
+            head_offsets=self.head_offsets,
             is_causal=is_causal,
             softmax_scale=self.softmax_scale,
             dropout_p=self.dropout if self.training else 0.0,
             key_padding_mask=key_padding_mask,
+            key_offset=key_offset,
             layout=self.layout,
             process_group=process_group,
         )
@@ -84,6 +90,7 @@ class DilatedAttention(nn.Module):
             "segment_lengths": list(self.segment_lengths),
             "dilation_rates": list(self.dilation_rates),
             "mode": self.mode,
+            "head_offsets": self.head_offsets,
             "softmax_scale": self.softmax_scale,
         }
 
@@ -93,7 +100,8 @@ class DilatedAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"segment_lengths={list(self.segment_lengths)}, dilation_rates={list(self.dilation_rates)}, "
-            f"mode={self.mode!r}, softmax_scale={self.softmax_scale}, dropout={self.dropout}, layout={self.layout!r}"
+            f"mode={self.mode!r}, head_offsets={self.head_offsets!r}, softmax_scale={self.softmax_scale}, "
+            f"dropout={self.dropout}, layout={self.layout!r}"
         )
 
 
@@ -122,6 +130,7 @@ class MultiheadDilatedAttention(nn.Module):
         dilation_rates: Sequence[int],
         *,
         mode: str = "mixture",
+        head_offsets: str = "interleaved",
         dropout: float = 0.0,
         bias: bool = True,
         sub_layernorm: bool = True,
@@ -143,7 +152,9 @@ class MultiheadDilatedAttention(nn.Module):
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}): "
                 "each head gets embed_dim // num_heads channels"
             )
-        self.attention = DilatedAttention(segment_lengths, dilation_rates, mode=mode, dropout=dropout)
+        self.attention = DilatedAttention(
+            segment_lengths, dilation_rates, mode=mode, head_offsets=head_offsets, dropout=dropout
+        )
         if mode == "head_groups":
             validation.check_head_groups(num_heads, len(self.attention.segment_lengths))
         self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
@@ -212,6 +223,12 @@ class MultiheadDilatedAttention(nn.Module):
                 raise ValueError(
                     f"{name} must have shape {dims}embed_dim={self.embed_dim}) with "
                     f"batch_first={self.batch_first}, got {tuple(t.shape)}"
+                )
+        for name, t in (("key", key), ("value", value)):
+            if t.shape != query.shape:
+                raise ValueError(
+                    f"{name} must have the shape of query {tuple(query.shape)}, got {tuple(t.shape)}: "
+                    "MultiheadDilatedAttention is self-attention over one sequence"
                 )
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))

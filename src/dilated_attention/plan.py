@@ -7,77 +7,110 @@ segments of the same length select their rows with one strided view:
 
     x.narrow(1, start, nseg * seglen).unflatten(1, (nseg, seglen))[:, :, offset::r, heads]
 
-so a branch needs at most two such *blocks* per offset: the full segments and the
-shorter last one. Each block becomes one call of a fused attention kernel with the
-segments folded into the batch dimension. Nothing here copies data.
+(:class:`Rows`). A :class:`Block` is "these query rows against those key rows":
+one call of a fused attention kernel with the segments folded into the batch
+dimension. A whole sequence needs at most two blocks per branch and offset (the
+full segments and the shorter last one); queries at the end of a longer key window
+add, for the segment the first query falls in, one block of those queries against
+the keys before them; the rows another rank sends are one more kind of key rows.
+Nothing here copies data.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .intmath import ceil_div
 
 MODES = ("mixture", "head_groups")
+HEAD_OFFSETS = ("interleaved", "contiguous")
 
 
 @dataclass(frozen=True)
-class Block:
-    """One fused-kernel call: rows ``offset::rate`` of ``nseg`` segments of ``seglen``
-    positions starting at sequence position ``start``, for the heads in ``heads``.
+class Rows:
+    """Rows of a ``(B, N, H, ...)`` tensor: ``nseg`` consecutive segments of ``seglen``
+    rows from row ``start``, and in each the rows ``offset, offset + rate, ...``;
+    for the heads ``heads``."""
 
-    ``branch`` is the index of the ``(w, r)`` pair the block belongs to; ``fresh``
-    means no earlier block of the plan writes any of its (position, head) cells, so
-    its result is written rather than merged.
-    """
-
-    branch: int
     start: int
     nseg: int
     seglen: int
     rate: int
     offset: int
     heads: slice
-    fresh: bool
+
+    @classmethod
+    def strided(cls, start: int, count: int, rate: int, heads: slice) -> "Rows":
+        """``count`` rows ``start, start + rate, ...`` (one segment)."""
+        return cls(start, 1, (count - 1) * rate + 1, rate, 0, heads)
 
     @property
-    def rows(self) -> int:
+    def count(self) -> int:
         """Selected rows per segment: ``ceil((seglen - offset) / rate)``."""
         return ceil_div(self.seglen - self.offset, self.rate)
 
     @property
     def head_count(self) -> int:
-        return len(range(self.heads.start, self.heads.stop, self.heads.step or 1))
+        return len(range(*self.heads.indices(2**62)))
 
-    def chunks(self, max_segments: int) -> list["Block"]:
-        """The block cut into consecutive blocks of at most ``max_segments`` segments."""
-        if self.nseg <= max_segments:
-            return [self]
-        return [
-            replace(self, start=self.start + first * self.seglen, nseg=min(max_segments, self.nseg - first))
-            for first in range(0, self.nseg, max_segments)
-        ]
+    def segments(self, first: int, count: int) -> "Rows":
+        """Segments ``first .. first + count - 1`` of these rows."""
+        return replace(self, start=self.start + first * self.seglen, nseg=count)
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
-        """View of the block's rows of ``x``.
-
-        ``x`` is ``(B, N, H, ...)`` -> ``(B, nseg, rows, h, ...)``, or a mask
-        ``(B, N)`` -> ``(B, nseg, rows)``.
-        """
+        """View of these rows of ``x``: ``(B, N, H, ...)`` -> ``(B, nseg, count, h, ...)``,
+        or of a mask ``(B, N)`` -> ``(B, nseg, count)``."""
         seg = x.narrow(1, self.start, self.nseg * self.seglen).unflatten(1, (self.nseg, self.seglen))
         rows = seg[:, :, self.offset :: self.rate]
         return rows if x.dim() == 2 else rows[:, :, :, self.heads]
 
-    def positions(self, first_position: int, device=None) -> torch.Tensor:
-        """Positions in the sequence of the block's rows, ``(nseg, rows)`` int64, when
-        the tensors it selects from start at sequence position ``first_position``."""
+    def positions(self, device=None) -> torch.Tensor:
+        """Row indices of the selected rows, ``(nseg, count)`` int64."""
         segment = torch.arange(self.nseg, device=device) * self.seglen
-        row = torch.arange(self.rows, device=device) * self.rate
-        return first_position + self.start + self.offset + segment[:, None] + row[None, :]
+        row = torch.arange(self.count, device=device) * self.rate
+        return self.start + self.offset + segment[:, None] + row[None, :]
+
+    @property
+    def head_indices(self) -> list[int]:
+        return list(range(*self.heads.indices(2**62)))
+
+
+@dataclass(frozen=True)
+class Block:
+    """One kernel call: the query rows ``queries`` (of ``q``) against the key rows
+    ``keys`` (of key source ``source``: 0 is the call's own ``k, v``, others hold rows
+    received from other ranks), in branch ``branch``, segment by segment.
+
+    ``is_causal``: the block is square (the query rows are the key rows) and each
+    query sees the keys up to itself; otherwise every query sees every key. ``fresh``:
+    no earlier block of the plan writes any of its query cells, so its result is
+    written rather than merged.
+    """
+
+    branch: int
+    queries: Rows
+    keys: Rows
+    is_causal: bool
+    fresh: bool
+    source: int = 0
+
+    def chunks(self, max_segments: int) -> list["Block"]:
+        """The block cut into consecutive blocks of at most ``max_segments`` segments."""
+        nseg = self.queries.nseg
+        if nseg <= max_segments:
+            return [self]
+        return [
+            replace(
+                self,
+                queries=self.queries.segments(first, min(max_segments, nseg - first)),
+                keys=self.keys.segments(first, min(max_segments, nseg - first)),
+            )
+            for first in range(0, nseg, max_segments)
+        ]
 
 
 def head_group_bounds(num_heads: int, num_groups: int) -> list[tuple[int, int]]:
@@ -102,15 +135,24 @@ def _segment_groups(seq_len: int, w: int) -> list[tuple[int, int, int]]:
     return groups
 
 
-def branch_head_sets(num_heads: int, dilation_rates: Sequence[int], mode: str) -> list[list[tuple[int, slice]]]:
-    """Per branch, its ``(offset, heads)`` pairs: in ``mixture`` the heads of offset
-    ``o`` are ``o::r``; in ``head_groups`` branch ``i`` has its group at offset ``i % r_i``."""
-    if mode == "mixture":
+def branch_head_sets(
+    num_heads: int, dilation_rates: Sequence[int], mode: str, head_offsets: str = "interleaved"
+) -> list[list[tuple[int, slice]]]:
+    """Per branch, its ``(offset, heads)`` pairs. ``mixture``: with ``interleaved`` head
+    offsets head ``j`` uses ``j % r`` (the heads of offset ``o`` are ``o::r``), with
+    ``contiguous`` ones ``j // ceil(H / r)`` (runs of ``ceil(H / r)`` heads).
+    ``head_groups``: branch ``i`` has its group at offset ``i % r_i``."""
+    if mode == "head_groups":
+        bounds = head_group_bounds(num_heads, len(dilation_rates))
+        return [[(i % r, slice(*bounds[i]))] for i, r in enumerate(dilation_rates)]
+    if head_offsets == "interleaved":
         return [
             [(o, slice(o, num_heads, min(r, num_heads))) for o in range(min(r, num_heads))] for r in dilation_rates
         ]
-    bounds = head_group_bounds(num_heads, len(dilation_rates))
-    return [[(i % r, slice(*bounds[i]))] for i, r in enumerate(dilation_rates)]
+    runs = [ceil_div(num_heads, min(r, num_heads)) for r in dilation_rates]
+    return [
+        [(o, slice(o * run, min((o + 1) * run, num_heads))) for o in range(ceil_div(num_heads, run))] for run in runs
+    ]
 
 
 def branch_order(dilation_rates: Sequence[int], mode: str) -> list[int]:
@@ -122,42 +164,86 @@ def branch_order(dilation_rates: Sequence[int], mode: str) -> list[int]:
     return order
 
 
+def _selected_rows(first: int, stop: int, segment_start: int, offset: int, rate: int) -> tuple[int, int]:
+    """For positions ``[first, stop)`` of a segment starting at ``segment_start``: the
+    offset, relative to ``first``, of the first selected one and how many are selected."""
+    local_offset = (offset - (first - segment_start)) % rate
+    return local_offset, max(0, ceil_div(stop - first - local_offset, rate))
+
+
+def _part(first: int, stop: int, segment_start: int, offset: int, rate: int, origin: int, heads: slice):
+    """The selected rows among positions ``[first, stop)`` of a segment, as :class:`Rows`
+    of a tensor whose row 0 is position ``origin``; ``None`` if there are none."""
+    local_offset, count = _selected_rows(first, stop, segment_start, offset, rate)
+    return Rows.strided(first - origin + local_offset, count, rate, heads) if count else None
+
+
+def window_start_needed(query_position: int, segment_lengths: Sequence[int]) -> int:
+    """The earliest key position that queries from ``query_position`` on may see: the
+    start of the segment holding it, in the branch where that is earliest."""
+    return min(query_position // w * w for w in segment_lengths)
+
+
 def make_plan(
-    seq_len: int,
+    num_queries: int,
     num_heads: int,
     segment_lengths: Sequence[int],
     dilation_rates: Sequence[int],
     mode: str,
+    is_causal: bool,
+    head_offsets: str = "interleaved",
+    num_keys: Optional[int] = None,
+    key_offset: int = 0,
 ) -> list[Block]:
     """All blocks of one dilated attention on one process, branch by branch.
 
-    ``mixture``: every branch on every head, head ``j`` with offset ``j % r``, so the
-    heads of one offset form the slice ``offset::r``; the first branch with ``r = 1``
-    (if any) goes first, so that its blocks, which cover every cell, are written
-    and the others merged into them. ``head_groups``: branch ``i`` on head group
-    ``i`` only, offset ``i % r_i``; no two blocks share a cell. Blocks with no rows
-    are dropped.
+    The keys are ``num_keys`` (default ``num_queries``) rows at positions
+    ``key_offset, key_offset + 1, ...``; the queries are the last ``num_queries`` of
+    those positions (fewer than the keys only with ``is_causal``). Segments are
+    anchored at position 0. A segment wholly among the queries is a square block; the
+    segment holding the first query, if it starts before it, adds a block of those
+    queries against its earlier keys, which must all be in the window (see
+    :func:`window_start_needed`; the caller checks it).
+
+    ``mixture``: every branch on every head (offsets by ``head_offsets``); the first
+    branch with ``r = 1`` (if any) goes first, so that its blocks, which cover every
+    cell, are written and the others merged into them. ``head_groups``: branch ``i``
+    on head group ``i`` only, offset ``i % r_i``; no two blocks share a cell.
     """
-    return list(make_shard_plan([seq_len], 0, num_heads, segment_lengths, dilation_rates, mode, False).blocks)
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Rows ``start, start + rate, ...`` (``count`` of them) of a shard, for ``heads``:
-    what one rank sends another for one branch, segment and head set."""
-
-    start: int
-    count: int
-    rate: int
-    heads: slice
-
-    def positions(self, device=None) -> torch.Tensor:
-        """The local row indices, ``(count,)`` int64."""
-        return torch.arange(self.start, self.start + self.count * self.rate, self.rate, device=device)
-
-    @property
-    def head_indices(self) -> list[int]:
-        return list(range(self.heads.start, self.heads.stop, self.heads.step or 1))
+    num_keys = num_queries if num_keys is None else num_keys
+    query_start = key_offset + num_keys - num_queries
+    head_sets = branch_head_sets(num_heads, dilation_rates, mode, head_offsets)
+    order = branch_order(dilation_rates, mode)
+    blocks: list[Block] = []
+    for i in order:
+        # A segment longer than the sequence is the whole sequence, and a step longer
+        # than a segment selects one row of it: clamping both changes nothing, and
+        # keeps huge values away from tensor indexing.
+        w = min(segment_lengths[i], key_offset + num_keys)
+        r = min(dilation_rates[i], w)
+        fresh = mode == "head_groups" or i == order[0]
+        square_start = query_start
+        first_segment = query_start // w * w
+        if first_segment < query_start:  # the first query's segment started among the keys
+            square_start = min(first_segment + w, key_offset + num_keys)
+            for offset, heads in head_sets[i]:
+                if offset >= w:
+                    continue
+                queries = _part(query_start, square_start, first_segment, offset, r, query_start, heads)
+                if queries is None:
+                    continue
+                earlier = _part(first_segment, query_start, first_segment, offset, r, key_offset, heads)
+                diagonal = replace(queries, start=queries.start + query_start - key_offset)
+                if earlier is not None:
+                    blocks.append(Block(i, queries, earlier, False, fresh))
+                blocks.append(Block(i, queries, diagonal, is_causal, fresh and earlier is None))
+        for start, nseg, seglen in _segment_groups(key_offset + num_keys - square_start, w):
+            for offset, heads in head_sets[i]:
+                if offset < seglen:
+                    queries = Rows(square_start - query_start + start, nseg, seglen, r, offset, heads)
+                    keys = replace(queries, start=square_start - key_offset + start)
+                    blocks.append(Block(i, queries, keys, is_causal, fresh))
+    return blocks
 
 
 @dataclass(frozen=True)
@@ -166,10 +252,10 @@ class ShardPlan:
 
     ``blocks``: local blocks (local coordinates), as :func:`make_plan` gives for one
     process; ``sends``: per peer, the rows of this shard that peer's queries need;
-    ``receives``: per peer, that peer's rows and the local query block that attends to
-    them. A peer appears only if it shares a segment with this rank and needs (or
-    has) keys for it; lists are in the same order on both sides of each pair.
-    ``starts``: every shard's first sequence position; ``rank``: this rank."""
+    ``receives``: per peer, that peer's rows (its coordinates) and the local query
+    rows that attend to them. A peer appears only if it shares a segment with this
+    rank and needs (or has) keys for it; lists are in the same order on both sides of
+    each pair. ``starts``: every shard's first sequence position; ``rank``: this rank."""
 
     blocks: tuple[Block, ...]
     sends: tuple[tuple[int, tuple[Rows, ...]], ...]
@@ -183,13 +269,6 @@ class ShardPlan:
         return self.starts[self.rank]
 
 
-def _selected_rows(first: int, stop: int, segment_start: int, offset: int, rate: int) -> tuple[int, int]:
-    """For positions ``[first, stop)`` of a segment starting at ``segment_start``: the
-    offset, relative to ``first``, of the first selected one and how many are selected."""
-    local_offset = (offset - (first - segment_start)) % rate
-    return local_offset, max(0, ceil_div(stop - first - local_offset, rate))
-
-
 def make_shard_plan(
     shard_lengths: Sequence[int],
     rank: int,
@@ -198,26 +277,25 @@ def make_shard_plan(
     dilation_rates: Sequence[int],
     mode: str,
     is_causal: bool,
+    head_offsets: str = "interleaved",
 ) -> ShardPlan:
     """The plan of rank ``rank`` when rank ``k`` holds the ``k``-th contiguous shard of
-    lengths ``shard_lengths`` (each at least 1). Segments inside the shard become local blocks as on one
-    process; a segment that crosses shard boundaries contributes its local part as a
-    local block (square, causal if asked) plus one exchange with each peer holding
-    another part: a query attends to a peer's selected rows in full, and with
-    ``is_causal`` only to those of earlier ranks (later ranks' rows all follow it)."""
+    lengths ``shard_lengths`` (each at least 1). Segments inside the shard become local
+    blocks as on one process; a segment that crosses shard boundaries contributes its
+    local part as a local block (square, causal if asked) plus one exchange with each
+    peer holding another part: a query attends to a peer's selected rows in full, and
+    with ``is_causal`` only to those of earlier ranks (later ranks' rows all follow
+    it). The received rows are key source ``1 + j`` for the ``j``-th received part."""
     starts = [0, *itertools.accumulate(shard_lengths)][:-1]
     seq_len = sum(shard_lengths)
     lo, hi = starts[rank], starts[rank] + shard_lengths[rank]
-    head_sets = branch_head_sets(num_heads, dilation_rates, mode)
+    head_sets = branch_head_sets(num_heads, dilation_rates, mode, head_offsets)
     order = branch_order(dilation_rates, mode)
     blocks: list[Block] = []
     sends: dict[int, list[Rows]] = {}
     receives: dict[int, list[tuple[Rows, Block]]] = {}
     for i in order:
-        # A segment longer than the sequence is the whole sequence, and a step longer
-        # than a segment selects one row of it: clamping both changes nothing, and
-        # keeps huge values away from tensor indexing.
-        w = min(segment_lengths[i], seq_len)
+        w = min(segment_lengths[i], seq_len)  # clamped as in make_plan
         r = min(dilation_rates[i], w)
         fresh = mode == "head_groups" or i == order[0]
         first_seg, last_seg = lo // w, (hi - 1) // w
@@ -230,7 +308,8 @@ def make_shard_plan(
             for start, nseg, seglen in _segment_groups(inner_stop - inner_start, w):
                 for offset, heads in head_sets[i]:
                     if offset < seglen:
-                        blocks.append(Block(i, inner_start - lo + start, nseg, seglen, r, offset, heads, fresh))
+                        rows = Rows(inner_start - lo + start, nseg, seglen, r, offset, heads)
+                        blocks.append(Block(i, rows, rows, is_causal, fresh))
         for seg in sorted({first_seg, last_seg}):
             if inner_first <= seg <= inner_last:
                 continue
@@ -243,21 +322,20 @@ def make_shard_plan(
             for offset, heads in head_sets[i]:
                 if offset >= w:  # no position of a segment has this offset (r was clamped to w)
                     continue
-                my_offset, my_rows = _selected_rows(*mine, seg_lo, offset, r)
-                if not my_rows:
+                rows = _part(*mine, seg_lo, offset, r, lo, heads)
+                if rows is None:
                     continue
-                block = Block(i, mine[0] - lo, 1, mine[1] - mine[0], r, my_offset, heads, fresh)
+                block = Block(i, rows, rows, is_causal, fresh)
                 blocks.append(block)
                 for peer in peers:
                     theirs = (max(seg_lo, starts[peer]), min(seg_hi, starts[peer] + shard_lengths[peer]))
-                    their_offset, their_rows = _selected_rows(*theirs, seg_lo, offset, r)
-                    if not their_rows:
+                    their_rows = _part(*theirs, seg_lo, offset, r, starts[peer], heads)
+                    if their_rows is None:
                         continue
                     if not is_causal or rank < peer:
-                        sends.setdefault(peer, []).append(Rows(mine[0] - lo + my_offset, my_rows, r, heads))
+                        sends.setdefault(peer, []).append(rows)
                     if not is_causal or peer < rank:
-                        rows = Rows(theirs[0] - starts[peer] + their_offset, their_rows, r, heads)
-                        receives.setdefault(peer, []).append((rows, block))
+                        receives.setdefault(peer, []).append((their_rows, block))
     return ShardPlan(
         tuple(blocks),
         tuple((peer, tuple(rows)) for peer, rows in sorted(sends.items())),

@@ -1,6 +1,6 @@
 """Dense reference implementation of ``docs/definition.md``: slow, float64, obviously right.
 
-It builds each branch's full ``(N, N)`` boolean pattern per head, runs a plain
+It builds each branch's full ``(Lq, Lk)`` boolean pattern per head, runs a plain
 masked softmax, and mixes the branches with the formulas of the definition. Use it to
 check the fast implementation, or your own setup, on small inputs: memory is
 ``O(B * H * N^2)``. It is differentiable with autograd (no dropout).
@@ -18,7 +18,13 @@ from .validation import check_attention, check_branches, check_head_groups, chec
 
 
 def branch_pattern(
-    seq_len: int, w: int, r: int, offsets: torch.Tensor, is_causal: bool = False
+    seq_len: int,
+    w: int,
+    r: int,
+    offsets: torch.Tensor,
+    is_causal: bool = False,
+    query_positions: Optional[torch.Tensor] = None,
+    key_positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Bool ``(H, N, N)``: ``[h, p, key]`` is True when query ``p`` of head ``h`` (with
     dilation offset ``offsets[h]``) may attend to ``key`` in branch ``(w, r)``.
@@ -27,26 +33,38 @@ def branch_pattern(
     segment ``s = p // w`` has ``t % r == offset``; selected queries see the
     selected keys of their own segment (and, if causal, only keys ``<= p``).
     ``w > N`` is the same as ``w = N``, and ``t % r = t % min(r, w)`` for ``t < w``:
-    both are clamped so that any Python int works.
+    both are clamped so that any Python int works. ``query_positions`` and
+    ``key_positions`` (``(..., Lq)``, ``(..., Lk)``, positions below ``seq_len``;
+    default all) give the pattern ``(..., H, Lq, Lk)`` of those positions only.
     """
     w = min(w, seq_len)
     r = min(r, w)
-    pos = torch.arange(seq_len)
-    segment, relative = pos // w, pos % w
-    selected = (relative[None, :] % r) == offsets[:, None]  # (H, N)
-    same_segment = segment[:, None] == segment[None, :]  # (N, N)
-    pattern = selected[:, :, None] & selected[:, None, :] & same_segment
+    everything = torch.arange(seq_len)
+    queries = everything if query_positions is None else query_positions
+    keys = everything if key_positions is None else key_positions
+
+    def selected(positions):  # (..., H, L)
+        return (positions % w % r).unsqueeze(-2) == offsets[:, None]
+
+    same_segment = (queries // w).unsqueeze(-1) == (keys // w).unsqueeze(-2)  # (..., Lq, Lk)
+    pattern = selected(queries).unsqueeze(-1) & selected(keys).unsqueeze(-2) & same_segment.unsqueeze(-3)
     if is_causal:
-        pattern = pattern & (pos[None, :] <= pos[:, None])
+        pattern = pattern & (keys.unsqueeze(-2) <= queries.unsqueeze(-1)).unsqueeze(-3)
     return pattern
 
 
-def branch_offsets(num_heads: int, segment_lengths, dilation_rates, mode: str) -> list[torch.Tensor]:
-    """Per branch, the offset of each head, or ``-1`` where the branch does not run on it."""
+def branch_offsets(
+    num_heads: int, segment_lengths, dilation_rates, mode: str, head_offsets: str = "interleaved"
+) -> list[torch.Tensor]:
+    """Per branch, the offset of each head, or ``-1`` where the branch does not run on
+    it: in ``mixture`` ``j % r`` (``interleaved``) or ``j // ceil(H / r)``
+    (``contiguous``); in ``head_groups`` ``i % r_i`` on group ``i``."""
     result = []
     if mode == "mixture":
         for r in dilation_rates:
-            result.append(torch.tensor([j % r for j in range(num_heads)]))
+            run = -(-num_heads // r)
+            offsets = [j % r if head_offsets == "interleaved" else j // run for j in range(num_heads)]
+            result.append(torch.tensor(offsets))
     else:
         for i, ((start, stop), r) in enumerate(
             zip(head_group_bounds(num_heads, len(segment_lengths)), dilation_rates)
@@ -95,48 +113,60 @@ def reference_dilated_attention(
     dilation_rates: Sequence[int],
     *,
     mode: str = "mixture",
+    head_offsets: str = "interleaved",
     is_causal: bool = False,
     softmax_scale: Optional[float] = None,
     key_padding_mask: Optional[torch.Tensor] = None,
+    key_offset=0,
 ):
     """Dense float64 dilated attention. Same arguments as
-    :func:`dilated_attention.dilated_attention` (no dropout, ``(B, N, H, D)`` only),
-    validated the same way.
+    :func:`dilated_attention.dilated_attention` (no dropout, ``(B, L, H, D)`` only),
+    validated the same way: ``q`` ``(B, Lq, H, D)`` holds the last ``Lq`` of the
+    positions ``key_offset .. key_offset + Lk - 1`` of ``k, v`` ``(B, Lk, H, D)``.
 
-    Returns ``(out, lse)``: ``out`` ``(B, N, H, D)`` float64 and ``lse`` ``(B, N, H)``
+    Returns ``(out, lse)``: ``out`` ``(B, Lq, H, D)`` float64 and ``lse`` ``(B, Lq, H)``
     float64, computed in float64 whatever the input dtype.
 
     Non-finite inputs follow ``docs/definition.md``: padded keys have no effect
     whatever they hold; a NaN or infinity in a query row, or in the key or value row
     of an unpadded key the query attends to, makes that query's output and LSE NaN
-    (if it attends to anything); other rows are computed as if those rows were 0.
+    (if it attends to anything); other rows are computed as if those rows were 0,
+    and the NaN rows pass no gradient back.
     """
     call = check_attention(
-        q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask
+        q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask,
+        head_offsets=head_offsets, key_offset=key_offset,
     )
+    offsets = branch_offsets(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets)
     return _dense_dilated_attention(
-        q, k, v, call.segment_lengths, call.dilation_rates, call.mode, call.is_causal, call.scale, call.padding
+        call.q, call.k, call.v, call.segment_lengths, call.dilation_rates, offsets, call.mode, call.is_causal,
+        call.scale, call.padding, call.key_offsets,
     )
 
 
-def _dense_dilated_attention(q, k, v, segment_lengths, dilation_rates, mode, is_causal, scale, padding):
-    """:func:`reference_dilated_attention` on valid arguments; ``v`` may have its own
-    last dim."""
-    q, k, v = (t.to(torch.float64).transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
-    batch, num_heads, seq_len, _ = q.shape
-    key_ok = torch.ones(batch, seq_len, dtype=torch.bool, device=q.device)
+def _dense_dilated_attention(
+    q, k, v, segment_lengths, dilation_rates, offsets, mode, is_causal, scale, padding, key_offsets
+):
+    """:func:`reference_dilated_attention` on valid arguments, with each branch's head
+    ``offsets``; ``v`` may have its own last dim."""
+    q, k, v = (t.to(torch.float64).transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
+    batch, _, num_queries, _ = q.shape
+    num_keys = k.shape[2]
+    key_positions = torch.tensor(key_offsets)[:, None] + torch.arange(num_keys)  # (B, Lk)
+    query_positions = key_positions[:, num_keys - num_queries :]
+    seq_len = max(key_offsets) + num_keys
+    key_ok = torch.ones(batch, num_keys, dtype=torch.bool, device=q.device)
     if padding is not None:
         key_ok = ~padding
-    bad_q = ~torch.isfinite(q).all(-1)  # (B, H, N)
+    bad_q = ~torch.isfinite(q).all(-1)  # (B, H, Lq)
     bad_key = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1)) & key_ok[:, None, :]
     cleared = (bad_key | ~key_ok[:, None, :]).unsqueeze(-1)
     k, v = k.masked_fill(cleared, 0.0), v.masked_fill(cleared, 0.0)
     outs, lses = [], []
     reached = torch.zeros_like(bad_q)
-    offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode)
     for w, r, offs in zip(segment_lengths, dilation_rates, offsets):
-        pattern = branch_pattern(seq_len, w, r, offs, is_causal).to(q.device)  # (H, N, N)
-        allowed = pattern[None] & key_ok[:, None, None, :]
+        pattern = branch_pattern(seq_len, w, r, offs, is_causal, query_positions, key_positions)  # (B, H, Lq, Lk)
+        allowed = pattern.to(q.device) & key_ok[:, None, None, :]
         out, lse = _masked_softmax_attention(q.masked_fill(bad_q.unsqueeze(-1), 0.0), k, v, allowed, scale)
         outs.append(out)
         lses.append(lse)
@@ -169,7 +199,8 @@ def attention_weights_uniform(
         check_head_groups(num_heads, len(segment_lengths))
     zeros = torch.zeros(1, seq_len, num_heads, 1, dtype=torch.float64)
     values = torch.eye(seq_len, dtype=torch.float64)[None, :, None, :].expand(1, seq_len, num_heads, seq_len)
+    offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode)
     out, _ = _dense_dilated_attention(
-        zeros, zeros, values, segment_lengths, dilation_rates, mode, is_causal, 1.0, None
+        zeros, zeros, values, segment_lengths, dilation_rates, offsets, mode, is_causal, 1.0, None, (0,)
     )
     return out[0].transpose(0, 1)  # (H, N, N): row p = weights of query p over keys

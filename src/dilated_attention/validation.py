@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .plan import MODES
+from .plan import HEAD_OFFSETS, MODES
 
 # The dtypes the library computes in, by name (as the command line spells them).
 FLOAT_DTYPES = {
@@ -51,19 +51,31 @@ def check_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tu
     return lists["segment_lengths"], lists["dilation_rates"]
 
 
+def _check_choice(value, name: str, choices, meaning: str = "") -> str:
+    """``value`` if it is one of the strings ``choices``, else a ``ValueError``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}{meaning}, got {value!r}")
+    return value
+
+
 def check_mode(mode) -> str:
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return mode
+    return _check_choice(mode, "mode", MODES)
 
 
 def check_layout(layout) -> str:
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(
-            f"layout must be 'bnhd' for {LAYOUTS['bnhd']} or 'bhnd' for {LAYOUTS['bhnd']} "
-            f"(the layout of torch.nn.functional.scaled_dot_product_attention), got {layout!r}"
-        )
-    return layout
+    return _check_choice(
+        layout, "layout", LAYOUTS,
+        f" ('bnhd' for {LAYOUTS['bnhd']}, 'bhnd' for {LAYOUTS['bhnd']}, the layout of "
+        "torch.nn.functional.scaled_dot_product_attention)",
+    )
+
+
+def check_head_offsets(head_offsets) -> str:
+    return _check_choice(
+        head_offsets, "head_offsets", HEAD_OFFSETS,
+        " ('interleaved': head j uses offset j % r, the paper's; 'contiguous': runs of ceil(H / r) heads, "
+        "torchscale's)",
+    )
 
 
 def check_dropout(dropout_p, name: str = "dropout_p") -> float:
@@ -117,7 +129,8 @@ def check_flag(value, name: str) -> bool:
 
 
 def check_qkv(q, k, v, layout: str = "bnhd") -> None:
-    """``q, k, v``: tensors of one shape, dtype and device, 4-D in ``layout``."""
+    """``q, k, v``: 4-D tensors in ``layout`` of one dtype and device; ``k`` and ``v``
+    of one shape, ``q`` of theirs but for its length (checked by the caller)."""
     dims = LAYOUTS[layout]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -130,16 +143,51 @@ def check_qkv(q, k, v, layout: str = "bnhd") -> None:
             raise ValueError(f"{name} must be float64, float32, bfloat16 or float16, got {t.dtype}")
         if min(int(size) for size in t.shape) < 1:
             raise ValueError(f"{name} must have every dim >= 1, got shape {tuple(t.shape)} {dims}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)} {dims}")
+    length = 2 if layout == "bhnd" else 1
+    if q.shape[:length] + q.shape[length + 1 :] != k.shape[:length] + k.shape[length + 1 :]:
+        raise ValueError(
+            f"k must have the shape of q {tuple(q.shape)} but for its length, got {tuple(k.shape)} {dims}: "
+            "dilated attention is self-attention over one sequence"
+        )
     for name, t in (("k", k), ("v", v)):
-        if t.shape != q.shape:
-            raise ValueError(
-                f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(t.shape)} {dims}: "
-                "dilated attention is self-attention over one sequence"
-            )
         if t.dtype != q.dtype:
             raise ValueError(f"{name} must have the dtype of q ({q.dtype}), got {t.dtype}: cast it")
         if t.device != q.device:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}: move it")
+
+
+def check_key_offset(key_offset, batch: int, device) -> tuple[int, ...]:
+    """``key_offset``: an int ``>= 0``, or a ``(B,)`` integer tensor of them; one per
+    batch row."""
+    if isinstance(key_offset, torch.Tensor):
+        if key_offset.shape != (batch,) or key_offset.dtype.is_floating_point or key_offset.dtype == torch.bool:
+            raise ValueError(
+                f"key_offset must be an int or an integer tensor of shape (batch,) = ({batch},), got "
+                f"{key_offset.dtype} of shape {tuple(key_offset.shape)}"
+            )
+        offsets = tuple(int(a) for a in key_offset.tolist())
+    elif isinstance(key_offset, bool) or not isinstance(key_offset, numbers.Integral):
+        raise TypeError(f"key_offset must be an int or a (batch,) integer tensor, got {type_name(key_offset)}")
+    else:
+        offsets = (int(key_offset),) * batch
+    if min(offsets) < 0:
+        raise ValueError(f"key_offset must be >= 0 (the position of k's first row), got {min(offsets)}")
+    return offsets
+
+
+def check_window(key_offset: int, num_queries: int, num_keys: int, segment_lengths) -> None:
+    """The keys must reach back to the start of the segment of the first query, in
+    every branch (see :func:`dilated_attention.plan.window_start_needed`)."""
+    first_query = key_offset + num_keys - num_queries
+    needed = min(first_query // w * w for w in segment_lengths)
+    if key_offset > needed:
+        raise ValueError(
+            f"the keys start at position key_offset={key_offset}, but the first query (position "
+            f"{first_query}) attends to keys from position {needed}, where its segment starts: pass k and "
+            f"v from position {needed} on (the last max(segment_lengths) positions always suffice)"
+        )
 
 
 def check_padding_mask(mask, batch: int, seq_len: int, device) -> Optional[torch.Tensor]:
@@ -155,7 +203,7 @@ def check_padding_mask(mask, batch: int, seq_len: int, device) -> Optional[torch
         )
     if tuple(mask.shape) != (batch, seq_len):
         raise ValueError(
-            f"key_padding_mask must have shape (batch, seq_len) = {(batch, seq_len)}, got {tuple(mask.shape)}"
+            f"key_padding_mask must have shape (batch, seq_len of k) = {(batch, seq_len)}, got {tuple(mask.shape)}"
         )
     if mask.device != device:
         raise ValueError(f"key_padding_mask must be on the device of q ({device}), got {mask.device}")
@@ -172,7 +220,9 @@ def check_head_groups(num_heads: int, num_branches: int) -> None:
 
 @dataclass(frozen=True)
 class Attention:
-    """A validated call. ``q, k, v`` ``(B, N, H, D)``, ``padding`` ``(B, N)`` bool or ``None``."""
+    """A validated call. ``q`` ``(B, Lq, H, D)``, ``k, v`` ``(B, Lk, H, D)``, ``padding``
+    ``(B, Lk)`` bool or ``None``; ``key_offsets``: the position of ``k``'s first row,
+    per batch row (the queries are the last ``Lq`` positions)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -181,38 +231,63 @@ class Attention:
     segment_lengths: tuple[int, ...]
     dilation_rates: tuple[int, ...]
     mode: str
+    head_offsets: str
     is_causal: bool
     scale: float
+    key_offsets: tuple[int, ...]
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        """``(B, N, H, D)`` as Python ints. (``operator.index`` also makes
+        """``(B, Lq, H, D)`` as Python ints. (``operator.index`` also makes
         ``torch.compile`` specialise on them: the plan depends on every size.)"""
         return tuple(operator.index(size) for size in self.q.shape)
 
+    @property
+    def num_keys(self) -> int:
+        return operator.index(self.k.shape[1])
+
 
 def check_attention(
-    q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask, layout="bnhd"
+    q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask, layout="bnhd",
+    head_offsets="interleaved", key_offset=0,
 ) -> Attention:
     """Validate what the library and the reference share; ``q, k, v`` come back as
-    ``(B, N, H, D)`` views whatever ``layout`` they arrived in."""
+    ``(B, L, H, D)`` views whatever ``layout`` they arrived in."""
     layout = check_layout(layout)
     check_qkv(q, k, v, layout)
     if layout == "bhnd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
     mode = check_mode(mode)
-    batch, seq_len, num_heads, head_dim = (operator.index(size) for size in q.shape)
+    head_offsets = check_head_offsets(head_offsets)
+    is_causal = check_flag(is_causal, "is_causal")
+    batch, num_queries, num_heads, head_dim = (operator.index(size) for size in q.shape)
+    num_keys = operator.index(k.shape[1])
+    if num_queries > num_keys:
+        raise ValueError(
+            f"q has {num_queries} positions but k and v only {num_keys}: the queries must be among the "
+            "keys' positions (pass the keys of every query)"
+        )
+    if num_queries != num_keys and not is_causal:
+        raise ValueError(
+            f"q has {num_queries} positions and k, v {num_keys}: queries at the end of a longer key "
+            "window need is_causal=True (without it a query would see later keys that are not given)"
+        )
     if mode == "head_groups":
         check_head_groups(num_heads, len(segment_lengths))
+    key_offsets = check_key_offset(key_offset, batch, q.device)
+    for offset in sorted(set(key_offsets)):
+        check_window(offset, num_queries, num_keys, segment_lengths)
     return Attention(
         q,
         k,
         v,
-        check_padding_mask(key_padding_mask, batch, seq_len, q.device),
+        check_padding_mask(key_padding_mask, batch, num_keys, q.device),
         segment_lengths,
         dilation_rates,
         mode,
-        check_flag(is_causal, "is_causal"),
+        head_offsets,
+        is_causal,
         check_scale(softmax_scale, head_dim),
+        key_offsets,
     )
