@@ -2,17 +2,21 @@
 
 - :func:`dilated_attention`: the functional API (``(B, N, H, D)`` tensors).
 - :class:`DilatedAttention`, :class:`MultiheadDilatedAttention`: ``nn.Module`` wrappers.
+- :class:`DilatedKVCache`: attention fed a few positions at a time (decoding), in
+  memory bounded by the longest segment.
 - :mod:`dilated_attention.reference`: a dense float64 reference of the definition.
 
 What is computed, exactly, is defined in ``docs/definition.md`` of the project.
 """
 
+from .cache import DilatedKVCache
 from .functional import dilated_attention
 from .modules import DilatedAttention, MultiheadDilatedAttention
 from .reference import reference_dilated_attention
 
 __all__ = [
     "dilated_attention",
+    "DilatedKVCache",
     "DilatedAttention",
     "MultiheadDilatedAttention",
     "reference_dilated_attention",

@@ -48,7 +48,8 @@ class EngineConfig:
     :mod:`dilated_attention.kernels`; ``query_position``, ``key_position``: the
     sequence positions of the first row of ``q`` and of ``k, v``; ``batch_rows``: the
     batch rows of the caller's tensors that these are (``None``: all, in order).
-    The last three key the dropout masks.
+    The last three key the dropout masks. ``keys_checked``: the call's key flags
+    (see :func:`engine_forward`) say which key rows are non-finite.
     """
 
     blocks: tuple[Block, ...]
@@ -61,6 +62,7 @@ class EngineConfig:
     query_position: int = 0
     key_position: int = 0
     batch_rows: Optional[tuple[int, ...]] = None
+    keys_checked: bool = False
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:
@@ -295,10 +297,17 @@ def _keys_are_queries(cfg: EngineConfig) -> bool:
     return all(block.keys == block.queries for block in cfg.blocks)
 
 
-def engine_forward(q, k, v, padding, seed, cfg: EngineConfig, exchange=None):
+def _key_flags(k, v, key_flags, cfg: EngineConfig):
+    """The non-finite key rows: the caller's (``cfg.keys_checked``), else found here."""
+    return key_flags if cfg.keys_checked else nonfinite_rows(k, v)
+
+
+def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchange=None):
     """Output ``(B, Lq, H, D)`` in ``q.dtype`` and LSE ``(B, Lq, H)``; see module docstring.
 
     ``seed``: 0-dim int64 tensor of the dropout masks, or ``None`` without dropout.
+    ``key_flags``: ``(B, Lk, H)`` bool, the key rows known to hold non-finite values
+    when ``cfg.keys_checked`` (``None``: none), else ignored.
     ``exchange`` (a :class:`dilated_attention.distributed.Exchange`, or ``None``) has
     posted the transfer of other ranks' rows; it is finished after the local blocks
     have run, so that the transfer overlaps them, and its blocks are merged in."""
@@ -306,7 +315,7 @@ def engine_forward(q, k, v, padding, seed, cfg: EngineConfig, exchange=None):
     out = _buffer(q.shape, _accumulation_dtype(q.dtype, cfg, exchange is not None), q.device, cfg, 0.0)
     lse = _buffer((batch, length, heads), accumulator(q.dtype), q.device, cfg, -math.inf)
     bad_q = nonfinite_rows(q)
-    sources = [KeySource(k, v, padding, cfg.key_position, bad=nonfinite_rows(k, v))]
+    sources = [KeySource(k, v, padding, cfg.key_position, bad=_key_flags(k, v, key_flags, cfg))]
 
     def run(blocks):
         for block in _calls(blocks, cfg.max_call_elements, batch, dim):
@@ -327,7 +336,9 @@ def engine_forward(q, k, v, padding, seed, cfg: EngineConfig, exchange=None):
     return out.to(q.dtype), lse
 
 
-def engine_backward(grad_out, grad_lse, q, k, v, padding, seed, out, lse, cfg: EngineConfig, exchange=None):
+def engine_backward(
+    grad_out, grad_lse, q, k, v, padding, seed, key_flags, out, lse, cfg: EngineConfig, exchange=None
+):
     """``dq, dk, dv`` given ``grad_out`` and ``grad_lse`` (either may be ``None``: no
     gradient reaches that output); ``out``/``lse`` as returned by :func:`engine_forward`.
 
@@ -358,7 +369,7 @@ def engine_backward(grad_out, grad_lse, q, k, v, padding, seed, out, lse, cfg: E
     lse = lse.masked_fill(no_key, math.inf)
     lse_grad = None if grad_lse is None else grad_lse.masked_fill(no_key, 0.0) / cfg.out_scale
     bad_q = nonfinite_rows(q)
-    sources = [KeySource(k, v, padding, cfg.key_position, bad=nonfinite_rows(k, v)), *remote_sources]
+    sources = [KeySource(k, v, padding, cfg.key_position, bad=_key_flags(k, v, key_flags, cfg)), *remote_sources]
 
     def block_grads(block: Block):
         """``dq, dk, dv`` of one block, ``(B, nseg, rows, h, D)`` each."""
@@ -390,8 +401,9 @@ def engine_backward(grad_out, grad_lse, q, k, v, padding, seed, out, lse, cfg: E
 
 class DilatedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper of the engine: inputs ``q`` ``(B, Lq, H, D)``, ``k, v``
-    ``(B, Lk, H, D)`` (last dims unit-stride), an optional bool ``padding`` ``(B, Lk)``
-    and the dropout ``seed``; outputs ``out`` and ``lse``, both differentiable.
+    ``(B, Lk, H, D)`` (last dims unit-stride), an optional bool ``padding`` ``(B, Lk)``,
+    the dropout ``seed`` and the ``key_flags`` (see :func:`engine_forward`); outputs
+    ``out`` and ``lse``, both differentiable.
 
     ``exchange`` (a :class:`dilated_attention.distributed.Exchange`, or ``None``)
     makes the inputs one rank's shard: other ranks' key/value rows are received while
@@ -400,15 +412,15 @@ class DilatedAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(q, k, v, padding, seed, cfg: EngineConfig, exchange=None):
+    def forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchange=None):
         if exchange is not None:
             exchange.start_forward(k, v, padding)
-        return engine_forward(q, k, v, padding, seed, cfg, exchange)
+        return engine_forward(q, k, v, padding, seed, key_flags, cfg, exchange)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, padding, seed, cfg, exchange = inputs
-        ctx.save_for_backward(q, k, v, padding, seed, *output)
+        q, k, v, padding, seed, key_flags, cfg, exchange = inputs
+        ctx.save_for_backward(q, k, v, padding, seed, key_flags, *output)
         ctx.cfg, ctx.exchange = cfg, exchange
         ctx.set_materialize_grads(False)
 
@@ -425,10 +437,10 @@ class DilatedAttentionFunction(torch.autograd.Function):
                 "create_graph=True, e.g. for a gradient penalty): its gradient is not itself "
                 "differentiable, so it is refused rather than silently cut from the graph"
             )
-        q, k, v, padding, seed, out, lse = ctx.saved_tensors
+        q, k, v, padding, seed, key_flags, out, lse = ctx.saved_tensors
         grads = engine_backward(
             None if grad_out is None else contiguous_last_dim(grad_out), grad_lse,
-            q, k, v, padding, seed, out, lse, ctx.cfg, ctx.exchange,
+            q, k, v, padding, seed, key_flags, out, lse, ctx.cfg, ctx.exchange,
         )
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None

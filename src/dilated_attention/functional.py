@@ -126,16 +126,26 @@ def dilated_attention(
             "head counts. Trace once per shape, or use torch.compile, which follows shape changes.",
             stacklevel=2,
         )
-    groups = _rows_by_key_offset(call.key_offsets)
-    if len(groups) == 1:
-        out, lse = _attend(call, call.key_offsets[0], None, dropout, seed, exchange)
-    else:
-        parts = [_attend(call, offset, rows, dropout, seed, None) for offset, rows in groups]
-        order = torch.cat([torch.as_tensor(rows, device=call.q.device) for _, rows in groups]).argsort()
-        out, lse = (torch.cat(part)[order] for part in zip(*parts))
+    out, lse = run(call, dropout, seed, exchange)
     if layout == "bhnd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return (out, lse) if want_lse else out
+
+
+def run(call, dropout: float = 0.0, seed=None, exchange=None, key_flags=None, keys_checked: bool = False):
+    """A validated call (:class:`dilated_attention.validation.Attention`) through the
+    engine: ``(out, lse)``, ``(B, Lq, H, D)`` and ``(B, Lq, H)``.
+
+    ``keys_checked``: the caller knows which key rows hold a NaN or an infinity:
+    those flagged in ``key_flags`` (``(B, Lk, H)`` bool), none if it is ``None``; the
+    engine then skips scanning ``k, v`` for them (a decode step's window)."""
+    groups = _rows_by_key_offset(call.key_offsets)
+    checks = (key_flags, keys_checked)
+    if len(groups) == 1:
+        return _attend(call, call.key_offsets[0], None, dropout, seed, exchange, *checks)
+    parts = [_attend(call, offset, rows, dropout, seed, None, *checks) for offset, rows in groups]
+    order = torch.cat([torch.as_tensor(rows, device=call.q.device) for _, rows in groups]).argsort()
+    return tuple(torch.cat(part)[order] for part in zip(*parts))
 
 
 def _rows_by_key_offset(key_offsets: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
@@ -146,7 +156,7 @@ def _rows_by_key_offset(key_offsets: tuple[int, ...]) -> list[tuple[int, tuple[i
     return [(offset, tuple(members)) for offset, members in rows.items()]
 
 
-def _attend(call, key_offset: int, rows, dropout: float, seed, exchange):
+def _attend(call, key_offset: int, rows, dropout: float, seed, exchange, key_flags, keys_checked: bool):
     """The engine on the batch rows ``rows`` (all if ``None``) of a validated call,
     whose keys start at ``key_offset``."""
     batch, num_queries, num_heads, _ = call.shape
@@ -169,10 +179,11 @@ def _attend(call, key_offset: int, rows, dropout: float, seed, exchange):
         query_position=query_position,
         key_position=query_position + num_queries - call.num_keys,
         batch_rows=rows,
+        keys_checked=keys_checked,
     )
-    tensors = [call.q, call.k, call.v, call.padding]
+    tensors = [call.q, call.k, call.v, call.padding, key_flags]
     if rows is not None:
         index = torch.as_tensor(rows, device=call.q.device)
         tensors = [None if t is None else t.index_select(0, index) for t in tensors]
     q, k, v = (contiguous_last_dim(t) for t in tensors[:3])
-    return DilatedAttentionFunction.apply(q, k, v, tensors[3], seed, cfg, exchange)
+    return DilatedAttentionFunction.apply(q, k, v, tensors[3], seed, tensors[4], cfg, exchange)

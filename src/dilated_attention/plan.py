@@ -225,12 +225,19 @@ def make_plan(
         square_start = query_start
         first_segment = query_start // w * w
         if first_segment < query_start:  # the first query's segment started among the keys
+            # (only with is_causal: without it the queries are all the keys, and keys must
+            # start where a segment does)
             square_start = min(first_segment + w, key_offset + num_keys)
             for offset, heads in head_sets[i]:
                 if offset >= w:
                     continue
                 queries = _part(query_start, square_start, first_segment, offset, r, query_start, heads)
                 if queries is None:
+                    continue
+                if queries.count == 1:  # one query: its keys, itself included, in one block
+                    stop = query_start + queries.start + 1
+                    keys = _part(first_segment, stop, first_segment, offset, r, key_offset, heads)
+                    blocks.append(Block(i, queries, keys, False, fresh))
                     continue
                 earlier = _part(first_segment, query_start, first_segment, offset, r, key_offset, heads)
                 diagonal = replace(queries, start=queries.start + query_start - key_offset)

@@ -1,0 +1,229 @@
+"""``DilatedKVCache``: causal dilated attention fed a few positions at a time.
+
+A causal query never sees a key before the start of its own segment, so a cache
+needs only the positions since the earliest segment start a future query can fall
+in: fewer than ``max(segment_lengths)`` per sequence, however long the sequence
+grows. Each call is :func:`dilated_attention.dilated_attention` on that window
+(``key_offset`` = the window's first position), so it is exactly the whole-sequence
+result, row for row.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import functional, validation
+from .engine import nonfinite_rows
+from .plan import window_start_needed
+
+
+def _needed_from(position: int, segment_lengths: Sequence[int]) -> int:
+    """The earliest position a query at ``position`` or later may attend to (a query at
+    a negative position, i.e. left padding, attends to nothing)."""
+    return min(position, window_start_needed(max(position, 0), segment_lengths))
+
+
+class DilatedKVCache:
+    """Keys and values of ``batch`` sequences, for attending to them step by step.
+
+    ``attend(q, k, v)`` takes the next ``L >= 1`` positions of every sequence (a
+    prompt, a chunk, or one token) as ``(B, L, H, D)`` tensors, appends their keys and
+    values, and returns their causal dilated attention output ``(B, L, H, D)``: row for
+    row the output of one causal call on the whole sequence.
+
+    Memory is bounded whatever the length: per sequence it keeps fewer than
+    ``max(segment_lengths)`` past positions (only those a later query may attend to),
+    in buffers of at most ``2 * (max(segment_lengths) + L)`` positions, ``L`` the
+    longest chunk given (the kept positions are moved to the buffers' front at most
+    once every ``max(segment_lengths)`` positions). ``nbytes`` is their size.
+
+    ``start``: the position of each sequence's first token (an int or a ``(B,)``
+    integer tensor). A negative start left-pads: a batch of prompts of different
+    lengths, right-aligned, with ``start = -(number of padding tokens)`` puts every
+    prompt's first real token at position 0. Padding positions (< 0) attend to
+    nothing and output 0; no position ``>= 0`` attends to them. A positive start must
+    be a multiple of every segment length (no earlier key can be needed).
+
+    The cache stores keys and values detached: gradients reach ``q`` and the ``k, v``
+    of the call, not earlier chunks (to train through chunks, call
+    :func:`dilated_attention.dilated_attention` with ``key_offset``).
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        num_heads: int,
+        head_dim: int,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        *,
+        mode: str = "mixture",
+        head_offsets: str = "interleaved",
+        softmax_scale: Optional[float] = None,
+        start: Union[int, torch.Tensor] = 0,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        for name, value in (("batch", batch), ("num_heads", num_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if dtype not in validation.FLOAT_DTYPES.values():
+            raise ValueError(f"dtype must be float64, float32, bfloat16 or float16, got {dtype}")
+        self.segment_lengths, self.dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
+        self.mode = validation.check_mode(mode)
+        if self.mode == "head_groups":
+            validation.check_head_groups(num_heads, len(self.segment_lengths))
+        self.head_offsets = validation.check_head_offsets(head_offsets)
+        self.softmax_scale = None if softmax_scale is None else validation.check_scale(softmax_scale, head_dim)
+        self.shape = (int(batch), int(num_heads), int(head_dim))
+        self.dtype, self.device = dtype, torch.device("cpu") if device is None else torch.device(device)
+        self._k = self._v = torch.empty(batch, 0, num_heads, head_dim, dtype=dtype, device=self.device)
+        self._bad = None  # (B, slots, H) bool: key rows holding NaN or infinity, once one was appended
+        self.reset(start)
+
+    def reset(self, start: Union[int, torch.Tensor] = 0) -> None:
+        """Forget every position; the sequences start anew at ``start``."""
+        starts = self._starts(start)
+        self._position = list(starts)
+        self._stored_from = list(starts)  # earliest position kept, per sequence
+        self._end = 0  # buffer slots [end - kept, end) hold a sequence's kept positions
+
+    def _starts(self, start) -> list[int]:
+        batch = self.shape[0]
+        if isinstance(start, torch.Tensor):
+            if start.shape != (batch,) or start.dtype.is_floating_point or start.dtype == torch.bool:
+                raise ValueError(f"start must be an int or an integer tensor of shape ({batch},), got {start!r}")
+            starts = [int(s) for s in start.tolist()]
+        elif isinstance(start, bool) or not isinstance(start, numbers.Integral):
+            raise TypeError(f"start must be an int or a (batch,) integer tensor, got {validation.type_name(start)}")
+        else:
+            starts = [int(start)] * batch
+        for s in starts:
+            if s > 0 and window_start_needed(s, self.segment_lengths) != s:
+                raise ValueError(
+                    f"start={s}: a sequence starting after position 0 must start at a multiple of every "
+                    f"segment length {list(self.segment_lengths)}, or its first queries would need keys "
+                    "the cache never saw; start at 0, or at a negative position to left-pad"
+                )
+        return starts
+
+    @property
+    def position(self) -> torch.Tensor:
+        """``(B,)`` int64: how many positions each sequence has seen (from its start:
+        the position of its next token)."""
+        return torch.tensor(self._position, dtype=torch.int64)
+
+    @property
+    def cached_positions(self) -> int:
+        """The most past positions any sequence keeps (below ``max(segment_lengths)``)."""
+        return max(p - s for p, s in zip(self._position, self._stored_from))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers."""
+        return 2 * self._k.numel() * self._k.element_size()
+
+    def reorder(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (``(B',)`` ints, repeats allowed), in that order,
+        as beam search does after picking its beams."""
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.dtype.is_floating_point:
+            raise ValueError(f"indices must be a 1-D integer tensor of sequence indices, got {indices!r}")
+        rows = indices.tolist()
+        if rows and not 0 <= min(rows) <= max(rows) < self.shape[0]:
+            raise ValueError(f"indices must be in [0, {self.shape[0]}), got {rows}")
+        index = indices.to(self.device)
+        self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
+        self._bad = None if self._bad is None else self._bad.index_select(0, index)
+        self._position = [self._position[i] for i in rows]
+        self._stored_from = [self._stored_from[i] for i in rows]
+        self.shape = (len(rows), *self.shape[1:])
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Write ``k, v`` ``(B, L, H, D)`` after the kept positions; return the slot of
+        their first row."""
+        length = k.shape[1]
+        kept = self.cached_positions
+        flags = nonfinite_rows(k, v)
+        if flags is not None and self._bad is None:
+            self._bad = torch.zeros(self._k.shape[:3], dtype=torch.bool, device=self.device)
+        if self._end + length > self._k.shape[1]:
+            capacity = max(self._k.shape[1], 2 * (kept + length))
+            buffers = [self._k, self._v] + ([] if self._bad is None else [self._bad])
+            fresh = [t.new_empty(t.shape[0], capacity, *t.shape[2:]) for t in buffers]
+            for new, old in zip(fresh, buffers):
+                new[:, :kept] = old[:, self._end - kept : self._end]
+            self._k, self._v = fresh[:2]
+            self._bad = fresh[2] if self._bad is not None else None
+            self._end = kept
+        first = self._end
+        self._k[:, first : first + length] = k.detach()
+        self._v[:, first : first + length] = v.detach()
+        if self._bad is not None:
+            self._bad[:, first : first + length] = False if flags is None else flags
+        self._end = first + length
+        return first
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The causal dilated attention output ``(B, L, H, D)`` of the next ``L``
+        positions of every sequence, given their ``q, k, v`` ``(B, L, H, D)``."""
+        batch, heads, dim = self.shape
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(t)}")
+            if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (batch, heads, dim) or t.shape[1] < 1:
+                raise ValueError(
+                    f"{name} must have shape (batch={batch}, L >= 1, heads={heads}, head_dim={dim}), "
+                    f"got {tuple(t.shape)}"
+                )
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(
+                    f"{name} must be {self.dtype} on {self.device} like the cache, got {t.dtype} on {t.device}"
+                )
+        if k.shape != q.shape or v.shape != q.shape:
+            raise ValueError(f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        length = q.shape[1]
+        first_slot = self._append(k, v)
+        groups: dict[int, list[int]] = {}
+        for row, position in enumerate(self._position):
+            groups.setdefault(position, []).append(row)
+        keys = self._k[:, : first_slot + length], self._v[:, : first_slot + length]
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # the new rows with their graph
+            keys = tuple(torch.cat([old[:, :first_slot], new], 1) for old, new in zip(keys, (k, v)))
+        parts, order = [], []
+        for position, rows in groups.items():
+            parts.append(self._attend_group(q, *keys, position, rows, first_slot))
+            order.extend(rows)
+        for row in range(batch):
+            self._position[row] += length
+            needed = _needed_from(self._position[row], self.segment_lengths)
+            self._stored_from[row] = max(self._stored_from[row], needed)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts).index_select(0, torch.tensor(order, device=self.device).argsort())
+
+    def _attend_group(self, q, k, v, position: int, rows: list[int], first_slot: int) -> torch.Tensor:
+        """The output of the sequences ``rows``, all at ``position``, given keys and
+        values ``(B, slots, H, D)`` whose new rows start at slot ``first_slot``."""
+        length = q.shape[1]
+        first_query = max(position, 0)  # negative positions are padding: they output 0
+        window = _needed_from(first_query, self.segment_lengths)
+        slots = slice(first_slot + window - position, first_slot + length)
+        k, v = k[:, slots], v[:, slots]
+        flags = None if self._bad is None else self._bad[:, slots]
+        if len(rows) < self.shape[0]:
+            index = torch.tensor(rows, device=self.device)
+            q, k, v = (t.index_select(0, index) for t in (q, k, v))
+            flags = None if flags is None else flags.index_select(0, index)
+        padding = q.new_zeros(q.shape[0], min(first_query - position, length), *q.shape[2:])
+        if first_query >= position + length:
+            return padding
+        call = validation.check_attention(
+            q[:, first_query - position :], k, v, self.segment_lengths, self.dilation_rates, self.mode, True,
+            self.softmax_scale, None, head_offsets=self.head_offsets, key_offset=window,
+        )
+        # The keys were checked for NaN and infinity as they were appended: no new scan.
+        attended, _ = functional.run(call, key_flags=flags, keys_checked=True)
+        return torch.cat([padding, attended], 1) if padding.shape[1] else attended

@@ -1,0 +1,151 @@
+"""``DilatedKVCache``: fed in chunks of any sizes, it gives the whole-sequence causal
+output row for row, in memory bounded by the longest segment."""
+
+import re
+
+import pytest
+import torch
+from helpers import configs, random_inputs, split_config
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dilated_attention import DilatedKVCache, reference_dilated_attention
+from dilated_attention.check import TOLERANCES, max_relative_error
+
+
+@st.composite
+def chunkings(draw, total: int):
+    """Chunk sizes summing to ``total``: single tokens, prompts, anything between."""
+    sizes = []
+    while sum(sizes) < total:
+        sizes.append(draw(st.one_of(st.just(1), st.integers(1, total - sum(sizes)))))
+    return sizes
+
+
+def make_cache(cfg, tensors, **kwargs):
+    batch, _, heads, dim = tensors[0].shape
+    attn = dict(mode=cfg["mode"], head_offsets=cfg["head_offsets"], softmax_scale=cfg["softmax_scale"])
+    return DilatedKVCache(batch, heads, dim, cfg["segment_lengths"], cfg["dilation_rates"],
+                          dtype=tensors[0].dtype, **attn, **kwargs)
+
+
+def feed(cache, tensors, sizes):
+    """The cache's outputs for the whole sequence fed in chunks of ``sizes``."""
+    outs, at = [], 0
+    for size in sizes:
+        outs.append(cache.attend(*(t[:, at : at + size] for t in tensors)))
+        at += size
+    return torch.cat(outs, 1)
+
+
+@given(configs(max_len=40), st.data())
+def test_chunked_feeding_equals_the_whole_sequence(cfg, data):
+    """Every chunking (including one token at a time across many segment boundaries),
+    both modes and head-offset mappings, sequences left-padded to different lengths:
+    row for row the reference's causal output on each sequence."""
+    cfg = dict(cfg, is_causal=True, masked=False)
+    inputs, attn = split_config(cfg)
+    tensors, _, _ = random_inputs(**inputs)
+    tensors = [t.detach() for t in tensors]
+    batch, total = cfg["batch"], cfg["seq_len"]
+    pads = [data.draw(st.integers(0, total - 1)) for _ in range(batch)]
+    cache = make_cache(cfg, tensors, start=torch.tensor([-p for p in pads]))
+    out = feed(cache, tensors, data.draw(chunkings(total)))
+    for row, pad in enumerate(pads):
+        real = [t[row : row + 1, pad:] for t in tensors]
+        ref, _ = reference_dilated_attention(*real, **attn)
+        assert max_relative_error(out[row : row + 1, pad:], ref) <= 1e-10
+        assert torch.all(out[row, :pad] == 0)
+    assert cache.cached_positions < max(cfg["segment_lengths"])
+    assert cache.position.tolist() == [total - p for p in pads]
+
+
+@given(configs(max_len=32), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.data())
+def test_chunked_feeding_in_low_precision(cfg, dtype, data):
+    cfg = dict(cfg, is_causal=True, masked=False, softmax_scale=None)
+    inputs, attn = split_config(cfg)
+    tensors, _, _ = random_inputs(dtype=dtype, **inputs)
+    tensors = [t.detach() for t in tensors]
+    out = feed(make_cache(cfg, tensors), tensors, data.draw(chunkings(cfg["seq_len"])))
+    ref, _ = reference_dilated_attention(*tensors, **attn)
+    assert out.dtype == dtype and max_relative_error(out, ref) <= TOLERANCES[dtype]
+
+
+def test_memory_stays_bounded_over_a_million_tokens():
+    """A million positions, fed in chunks and then token by token: the cache keeps
+    fewer than max(w) past positions and its buffers stop growing."""
+    segs, rates = [64, 256, 1024], [1, 2, 4]
+    cache = DilatedKVCache(1, 2, 2, segs, rates)
+    chunk = torch.randn(1, 2**14, 2, 2)
+    sizes = []
+    while int(cache.position) < 2**20:
+        cache.attend(chunk, chunk, chunk)
+        assert cache.cached_positions < max(segs)
+        sizes.append(cache.nbytes)
+    token = torch.randn(1, 1, 2, 2)
+    for _ in range(1500):
+        cache.attend(token, token, token)
+        assert cache.cached_positions < max(segs)
+    assert int(cache.position) == 2**20 + 1500
+    assert cache.nbytes == sizes[0] == max(sizes)
+
+
+def test_positive_starts_at_segment_boundaries():
+    segs, rates = [4, 8], [1, 2]
+    (q, k, v), _, _ = random_inputs(1, 1, 24, 2, 3)
+    q, k, v = (t.detach() for t in (q, k, v))
+    cache = DilatedKVCache(1, 2, 3, segs, rates, dtype=torch.float64, start=8)
+    out = feed(cache, (q[:, 8:], k[:, 8:], v[:, 8:]), [3, 1, 1, 11])
+    ref, _ = reference_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    assert max_relative_error(out, ref[:, 8:]) <= 1e-12
+    with pytest.raises(ValueError, match="must start at a multiple of every segment length"):
+        DilatedKVCache(1, 2, 3, segs, rates, start=4)
+
+
+def test_reorder_follows_the_chosen_beams_and_reset_starts_over():
+    segs, rates = [4, 8], [1, 2]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 20, 2, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    cache = DilatedKVCache(3, 2, 3, segs, rates, dtype=torch.float64)
+    cache.attend(q[:, :9], k[:, :9], v[:, :9])
+    beams = torch.tensor([2, 2, 0])
+    cache.reorder(beams)
+    out = cache.attend(q[:, 9:], k[:, 9:], v[:, 9:])  # each beam continues with new tokens
+    history = [torch.cat([t[beams, :9], t[:, 9:]], 1) for t in (q, k, v)]
+    ref, _ = reference_dilated_attention(*history, segs, rates, is_causal=True)
+    assert max_relative_error(out, ref[:, 9:]) <= 1e-12
+    cache.reset()
+    assert cache.position.tolist() == [0, 0, 0] and cache.cached_positions == 0
+    ref, _ = reference_dilated_attention(q, k, v, segs, rates, is_causal=True)
+    assert max_relative_error(feed(cache, (q, k, v), [20]), ref) <= 1e-12
+
+
+def test_gradients_reach_the_queries_and_the_new_keys():
+    segs, rates = [4, 8], [1, 2]
+    (q, k, v), _, _ = random_inputs(2, 1, 12, 2, 3)
+    cache = DilatedKVCache(1, 2, 3, segs, rates, dtype=torch.float64)
+    cache.attend(q[:, :7].detach(), k[:, :7].detach(), v[:, :7].detach())
+    out = cache.attend(q[:, 7:], k[:, 7:], v[:, 7:])
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    window = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference_dilated_attention(*window, segs, rates, is_causal=True)
+    ref_grads = torch.autograd.grad(ref[:, 7:].square().sum(), window)
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert max_relative_error(grad[:, 7:], ref_grad[:, 7:]) <= 1e-12  # earlier rows: detached in the cache
+        assert torch.all(grad[:, :7] == 0)
+
+
+@pytest.mark.parametrize(
+    "call,fragment",
+    [
+        (lambda c: c.attend(*[torch.randn(2, 1, 2, 3)] * 3), "q must have shape (batch=1, L >= 1, heads=2"),
+        (lambda c: c.attend(*[torch.randn(1, 1, 2, 3, dtype=torch.float64)] * 3), "like the cache"),
+        (lambda c: c.attend(torch.randn(1, 2, 2, 3), *[torch.randn(1, 1, 2, 3)] * 2), "q, k, v must have one shape"),
+        (lambda c: c.reorder(torch.tensor([1])), "indices must be in [0, 1)"),
+        (lambda c: c.reset(start=1.5), "start must be an int"),
+    ],
+)
+def test_bad_input(call, fragment):
+    cache = DilatedKVCache(1, 2, 3, [4, 8], [1, 2])
+    with pytest.raises((ValueError, TypeError), match=re.escape(fragment)):
+        call(cache)
