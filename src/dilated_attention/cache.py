@@ -77,7 +77,7 @@ class DilatedKVCache:
         if self.mode == "head_groups":
             validation.check_head_groups(num_heads, len(self.segment_lengths))
         self.head_offsets = validation.check_head_offsets(head_offsets)
-        self.softmax_scale = None if softmax_scale is None else validation.check_scale(softmax_scale, head_dim)
+        self.softmax_scale = validation.check_scale(softmax_scale, head_dim)
         self.shape = (int(batch), int(num_heads), int(head_dim))
         self.dtype, self.device = dtype, torch.device("cpu") if device is None else torch.device(device)
         self._k = self._v = torch.empty(batch, 0, num_heads, head_dim, dtype=dtype, device=self.device)
@@ -220,9 +220,9 @@ class DilatedKVCache:
         padding = q.new_zeros(q.shape[0], min(first_query - position, length), *q.shape[2:])
         if first_query >= position + length:
             return padding
-        call = validation.check_attention(
-            q[:, first_query - position :], k, v, self.segment_lengths, self.dilation_rates, self.mode, True,
-            self.softmax_scale, None, head_offsets=self.head_offsets, key_offset=window,
+        call = validation.Attention(  # q, k, v were checked in attend, the rest at construction
+            q[:, first_query - position :], k, v, None, self.segment_lengths, self.dilation_rates, self.mode,
+            self.head_offsets, True, self.softmax_scale, (window,) * q.shape[0],
         )
         # The keys were checked for NaN and infinity as they were appended: no new scan.
         attended, _ = functional.run(call, key_flags=flags, keys_checked=True)

@@ -278,7 +278,7 @@ def _merge_into(out, lse, o, l, scale: float = 1.0) -> None:
     ``out`` ``(..., D)`` and ``lse`` ``(...)`` are views into the running buffers; ``out``
     already carries the factor ``scale``."""
     new = torch.logaddexp(lse, l)
-    base = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    base = new.nan_to_num(nan=math.nan, neginf=0.0)  # -inf (no key yet) -> 0; NaN stays
     out.mul_((lse - base).exp_().unsqueeze(-1)).addcmul_(o, (l - base).exp_().unsqueeze(-1), value=scale)
     lse.copy_(new)
 

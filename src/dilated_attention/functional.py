@@ -186,4 +186,7 @@ def _attend(call, key_offset: int, rows, dropout: float, seed, exchange, key_fla
         index = torch.as_tensor(rows, device=call.q.device)
         tensors = [None if t is None else t.index_select(0, index) for t in tensors]
     q, k, v = (contiguous_last_dim(t) for t in tensors[:3])
-    return DilatedAttentionFunction.apply(q, k, v, tensors[3], seed, tensors[4], cfg, exchange)
+    args = (q, k, v, tensors[3], seed, tensors[4], cfg, exchange)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return DilatedAttentionFunction.apply(*args)
+    return DilatedAttentionFunction.forward(*args)  # nothing to differentiate: skip autograd's bookkeeping

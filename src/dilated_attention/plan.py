@@ -18,7 +18,9 @@ Nothing here copies data.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
@@ -63,10 +65,26 @@ class Rows:
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """View of these rows of ``x``: ``(B, N, H, ...)`` -> ``(B, nseg, count, h, ...)``,
-        or of a mask ``(B, N)`` -> ``(B, nseg, count)``."""
-        seg = x.narrow(1, self.start, self.nseg * self.seglen).unflatten(1, (self.nseg, self.seglen))
-        rows = seg[:, :, self.offset :: self.rate]
-        return rows if x.dim() == 2 else rows[:, :, :, self.heads]
+        or of a mask ``(B, N)`` -> ``(B, nseg, count)``: ``x.narrow(1, start, nseg *
+        seglen).unflatten(1, (nseg, seglen))[:, :, offset::rate, heads]``. Eagerly it is
+        made as one ``as_strided`` call, in a fraction of the time (which counts in a
+        decode step); ``torch.compile`` traces the composed views."""
+        if self.start + self.nseg * self.seglen > x.shape[1]:
+            raise IndexError(f"rows up to {self.start + self.nseg * self.seglen} of a tensor of {x.shape[1]}")
+        if torch.compiler.is_compiling():
+            seg = x.narrow(1, self.start, self.nseg * self.seglen).unflatten(1, (self.nseg, self.seglen))
+            rows = seg[:, :, self.offset :: self.rate]
+            return rows if x.dim() == 2 else rows[:, :, :, self.heads]
+        stride = x.stride()
+        size = [x.shape[0], self.nseg, self.count]
+        strides = [stride[0], self.seglen * stride[1], self.rate * stride[1]]
+        first = x.storage_offset() + (self.start + self.offset) * stride[1]
+        if x.dim() > 2:
+            head, stop, step = self.heads.indices(x.shape[2])
+            size += [len(range(head, stop, step)), *x.shape[3:]]
+            strides += [step * stride[2], *stride[3:]]
+            first += head * stride[2]
+        return x.as_strided(size, strides, first)
 
     def positions(self, device=None) -> torch.Tensor:
         """Row indices of the selected rows, ``(nseg, count)`` int64."""
@@ -194,7 +212,32 @@ def make_plan(
     head_offsets: str = "interleaved",
     num_keys: Optional[int] = None,
     key_offset: int = 0,
-) -> list[Block]:
+) -> tuple[Block, ...]:
+    """All blocks of one dilated attention on one process, branch by branch (see
+    :func:`_make_plan`). Plans are cached: a plan is local to its window, so shifting
+    ``key_offset`` by a multiple of every segment length gives the same plan (a decode
+    step finds its plan made after at most ``lcm(segment_lengths)`` steps)."""
+    num_keys = num_queries if num_keys is None else num_keys
+    key_offset %= math.lcm(*segment_lengths)  # (clamping w to the sequence changes no segment)
+    plan = _make_plan.__wrapped__ if torch.compiler.is_compiling() else _make_plan  # compiled: traced once
+    return plan(
+        num_queries, num_heads, tuple(segment_lengths), tuple(dilation_rates), mode, is_causal, head_offsets,
+        num_keys, key_offset,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _make_plan(
+    num_queries: int,
+    num_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    mode: str,
+    is_causal: bool,
+    head_offsets: str,
+    num_keys: int,
+    key_offset: int,
+) -> tuple[Block, ...]:
     """All blocks of one dilated attention on one process, branch by branch.
 
     The keys are ``num_keys`` (default ``num_queries``) rows at positions
@@ -210,7 +253,6 @@ def make_plan(
     cell, are written and the others merged into them. ``head_groups``: branch ``i``
     on head group ``i`` only, offset ``i % r_i``; no two blocks share a cell.
     """
-    num_keys = num_queries if num_keys is None else num_keys
     query_start = key_offset + num_keys - num_queries
     head_sets = branch_head_sets(num_heads, dilation_rates, mode, head_offsets)
     order = branch_order(dilation_rates, mode)
@@ -250,7 +292,7 @@ def make_plan(
                     queries = Rows(square_start - query_start + start, nseg, seglen, r, offset, heads)
                     keys = replace(queries, start=square_start - key_offset + start)
                     blocks.append(Block(i, queries, keys, is_causal, fresh))
-    return blocks
+    return tuple(blocks)
 
 
 @dataclass(frozen=True)
