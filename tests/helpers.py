@@ -72,7 +72,8 @@ def split_config(cfg):
     """``(input kwargs, attention kwargs)`` of a config drawn by :func:`configs`."""
     inputs = {key: cfg[key] for key in ("seed", "batch", "seq_len", "heads", "head_dim", "masked", "memory")}
     attention = {
-        key: cfg[key] for key in ("segment_lengths", "dilation_rates", "mode", "head_offsets", "is_causal", "softmax_scale")
+        key: cfg[key]
+        for key in ("segment_lengths", "dilation_rates", "mode", "head_offsets", "is_causal", "softmax_scale")
     }
     return inputs, attention
 

@@ -158,3 +158,20 @@ def test_bench_skips_what_would_take_too_long(tmp_path, capsys):
     ]
     assert main(args) == 0
     assert "skipped: predicted" in capsys.readouterr().out
+
+
+def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):
+    from dilated_attention.cli import main
+
+    args = ["decode-bench", "--positions", "64", "256", "--segment-lengths", "8", "32", "--dilation-rates", "1", "2",
+            "--heads", "2", "--head-dim", "4", "--steps", "40", "--dense-steps", "3", "--out-dir", str(tmp_path)]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "decode-cpu-float32.json").read_text())["rows"]
+    assert [(r["impl"], r["position"]) for r in rows] == [
+        ("dilated", 64), ("dense", 64), ("dilated", 256), ("dense", 256)
+    ]
+    dilated = [r["cache_bytes"] for r in rows if r["impl"] == "dilated"]
+    dense = [r["cache_bytes"] for r in rows if r["impl"] == "dense"]
+    assert dilated[0] == dilated[1] and dense[1] > 3 * dense[0]  # bounded, against growing
+    assert (tmp_path / "decode-cpu-float32.png").read_bytes()[:4] == b"\x89PNG"
+    assert "dense/dilated" in (tmp_path / "decode-cpu-float32.txt").read_text()

@@ -47,7 +47,8 @@ q0, k0, v0 = qkv()
         (dict(q=q0[0]), ValueError, "q must have 4 dims"),
         (dict(k=k0[:, :8]), ValueError, "v must have the shape of k"),
         (dict(k=k0[:, :8], v=v0[:, :8]), ValueError, "q has 16 positions but k and v only 8"),
-        (dict(k=k0[:, :, :2], v=v0[:, :, :2]), ValueError, "k must have the shape of q (2, 16, 4, 8) but for its length"),
+        (dict(k=k0[:, :, :2], v=v0[:, :, :2]), ValueError,
+         "k must have the shape of q (2, 16, 4, 8) but for its length"),
         (dict(q=q0[:, :8]), ValueError, "need is_causal=True"),
         (dict(q=q0[:, :8], is_causal=True, key_offset=-1), ValueError, "key_offset must be >= 0"),
         (dict(q=q0[:, :8], is_causal=True, key_offset=2.0), TypeError, "key_offset must be an int"),
@@ -138,7 +139,8 @@ def test_planning_does_not_grow_with_the_number_of_segments():
 
 def test_layout_is_named_in_errors():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=re.escape("layout must be one of ('bnhd', 'bhnd') ('bnhd' for (batch, seq_len, heads, head_dim)")):
+    expected = "layout must be one of ('bnhd', 'bhnd') ('bnhd' for (batch, seq_len, heads, head_dim)"
+    with pytest.raises(ValueError, match=re.escape(expected)):
         dilated_attention(q, k, v, [4], [1], layout="bshd")
     with pytest.raises(ValueError, match=re.escape("(batch, heads, seq_len, head_dim) (layout='bhnd')")):
         dilated_attention(q[0], k[0], v[0], [4], [1], layout="bhnd")

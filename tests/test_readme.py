@@ -37,3 +37,12 @@ def test_multi_process_snippet_runs_with_torchrun(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "rank 0: shard (1, 1500, 256) -> (1, 1500, 256), (1, 1500, 8, 32)" in result.stdout
     assert "rank 1: shard (1, 1500, 256) -> (1, 1500, 256), (1, 1500, 8, 32)" in result.stdout
+
+
+def test_decoding_snippet_runs():
+    torch.manual_seed(0)
+    namespace = {}
+    exec(compile(snippet("decoding"), "README decoding", "exec"), namespace)
+    cache = namespace["cache"]
+    assert cache.position.tolist() == [349, 349]
+    assert cache.cached_positions < 8192

@@ -33,7 +33,7 @@ from .functional import dilated_attention
 from .intmath import ceil_div
 from .kernels import select_kernel
 from .plan import make_plan
-from .plotting import pyplot, save
+from .plotting import log_log, pyplot, save
 
 IMPLEMENTATIONS = ("dense", "kernel", "mixture", "head_groups")
 
@@ -452,13 +452,7 @@ def plot(result: BenchResult, path: str) -> None:
             ax_m.plot(n, [max(r.fwd_peak_added_bytes, 1) / 2**20 for r in rows], "o-", label=f"{impl} forward")
         if all(r.fwd_bwd_peak_added_bytes is not None for r in rows):
             ax_m.plot(n, [max(r.fwd_bwd_peak_added_bytes, 1) / 2**20 for r in rows], "s--", label=f"{impl} fwd+bwd")
-    for ax, label in ((ax_t, "time (ms)"), (ax_m, "peak memory added (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    log_log([(ax_t, "time (ms)"), (ax_m, "peak memory added (MiB)")], "sequence length N")
     cfg = result.config
     save(
         fig,

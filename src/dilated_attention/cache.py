@@ -36,9 +36,10 @@ class DilatedKVCache:
 
     Memory is bounded whatever the length: per sequence it keeps fewer than
     ``max(segment_lengths)`` past positions (only those a later query may attend to),
-    in buffers of at most ``2 * (max(segment_lengths) + L)`` positions, ``L`` the
-    longest chunk given (the kept positions are moved to the buffers' front at most
-    once every ``max(segment_lengths)`` positions). ``nbytes`` is their size.
+    in buffers of at most ``4 * (kept + L)`` positions for a chunk of ``L`` (between
+    ``kept + L`` and that, they are reused; when full, or after a long chunk, the kept
+    positions move to new buffers of twice their size with the chunk, so copying
+    costs ``O(1)`` per position). ``nbytes`` is their size.
 
     ``start``: the position of each sequence's first token (an int or a ``(B,)``
     integer tensor). A negative start left-pads: a batch of prompts of different
@@ -149,8 +150,9 @@ class DilatedKVCache:
         flags = nonfinite_rows(k, v)
         if flags is not None and self._bad is None:
             self._bad = torch.zeros(self._k.shape[:3], dtype=torch.bool, device=self.device)
-        if self._end + length > self._k.shape[1]:
-            capacity = max(self._k.shape[1], 2 * (kept + length))
+        capacity = self._k.shape[1]
+        if self._end + length > capacity or capacity > 4 * (kept + length):  # full, or far too large
+            capacity = 2 * (kept + length)
             buffers = [self._k, self._v] + ([] if self._bad is None else [self._bad])
             fresh = [t.new_empty(t.shape[0], capacity, *t.shape[2:]) for t in buffers]
             for new, old in zip(fresh, buffers):

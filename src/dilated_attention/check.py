@@ -60,7 +60,8 @@ def lse_error(lse: torch.Tensor, ref: torch.Tensor) -> float:
     non-finite entries (``-inf``, NaN) differ."""
     lse, ref = lse.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
     other = ~torch.isfinite(ref)
-    if not torch.equal(torch.isfinite(lse), ~other) or not torch.equal(lse[other].nan_to_num(), ref[other].nan_to_num()):
+    same_pattern = torch.equal(torch.isfinite(lse), ~other)
+    if not same_pattern or not torch.equal(lse[other].nan_to_num(), ref[other].nan_to_num()):
         return math.inf
     finite = torch.isfinite(ref)
     if not finite.any():

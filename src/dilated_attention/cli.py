@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -74,13 +75,17 @@ def _cmd_pattern(args) -> int:
     return 0
 
 
-def _cmd_bench(args) -> int:
+def _bench_setup(args) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Check the device, set the threads; the branches of a benchmark command."""
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
-        return 2
+        raise ValueError("--device cuda, but torch.cuda.is_available() is False")
     if args.threads:
         torch.set_num_threads(args.threads)
-    segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)
+    return validation.check_branches(args.segment_lengths, args.dilation_rates)
+
+
+def _cmd_bench(args) -> int:
+    segs, rates = _bench_setup(args)
     default_lens = [2**p for p in range(12, 18)] if args.device == "cpu" else [2**p for p in range(12, 21)]
     cfg = benchmark.BenchConfig(
         seq_lens=args.seq_lens or default_lens,
@@ -115,6 +120,30 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_decode_bench(args) -> int:
+    from . import decode_benchmark
+
+    segs, rates = _bench_setup(args)
+    cfg = decode_benchmark.DecodeConfig(
+        positions=args.positions, segment_lengths=segs, dilation_rates=rates, heads=args.heads,
+        head_dim=args.head_dim, dtype=args.dtype, device=args.device, steps=args.steps,
+        dense_steps=args.dense_steps,
+    )
+    result = decode_benchmark.run(cfg)
+    table = decode_benchmark.format_table(result)
+    print(table)
+    out_dir = _bench_folder(args.out_dir)
+    stem = os.path.join(out_dir, args.name or f"decode-{args.device}-{args.dtype}")
+    with atomic_write(stem + ".json") as f:
+        json.dump(decode_benchmark.to_json(result), f, indent=1)
+    with atomic_write(stem + ".txt") as f:
+        f.write(table + "\n")
+    if not args.no_plot:
+        decode_benchmark.plot(result, stem + ".png")
+    print(f"results in {os.path.abspath(out_dir)}")
+    return 0
+
+
 def _bench_folder(out_dir: Optional[str]) -> str:
     """``out_dir`` (created if missing), or by default a new folder in the current
     directory named after the time: a run never writes over an earlier one's results."""
@@ -138,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check(sub)
     _add_pattern(sub)
     _add_bench(sub)
+    _add_decode_bench(sub)
     return parser
 
 
@@ -224,6 +254,39 @@ def _add_bench(sub) -> None:
     bench.add_argument("--name", help="file name stem of the JSON, text and PNG files "
                        "(default: bench-DEVICE-DTYPE)")
     bench.set_defaults(run=_cmd_bench)
+
+
+def _add_decode_bench(sub) -> None:
+    bench = _add_command(
+        sub, "decode-bench", "Time one-token decode steps: DilatedKVCache vs a dense KV cache.",
+        "Time one-token steps of DilatedKVCache and of a dense KV cache (SDPA over every cached key) at "
+        "several positions, measure both caches' memory, and write a JSON file, a text table and a plot "
+        "into a new folder (or --out-dir).",
+    )
+    bench.add_argument("--positions", type=positive_int, nargs="+", metavar="P", default=[4096, 65536, 2**20],
+                       help="positions (tokens already seen) to measure at (default: 4096 65536 1048576)")
+    bench.add_argument("--segment-lengths", type=positive_int, nargs="+", metavar="W", default=[2048, 4096, 8192],
+                       help="segment length w of each branch (default: 2048 4096 8192)")
+    bench.add_argument("--dilation-rates", type=positive_int, nargs="+", metavar="R", default=[1, 2, 4],
+                       help="dilation rate r of each branch (default: 1 2 4)")
+    bench.add_argument("--heads", type=positive_int, metavar="H", default=8, help="number of heads H (default: 8)")
+    bench.add_argument("--head-dim", type=positive_int, metavar="D", default=64,
+                       help="size D of each head (default: 64)")
+    bench.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                       help="dtype of the caches (default: float32)")
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
+    bench.add_argument("--steps", type=positive_int, default=8192,
+                       help="one-token steps timed per position for the dilated cache; lcm of the segment lengths "
+                       "covers every phase of the segments (default: 8192)")
+    bench.add_argument("--dense-steps", type=positive_int, default=16,
+                       help="one-token steps timed per position for the dense cache (default: 16)")
+    bench.add_argument("--threads", type=positive_int,
+                       help="CPU threads, for torch.set_num_threads (default: torch's own)")
+    bench.add_argument("--no-plot", action="store_true", help="do not draw the plot (default: draw it)")
+    bench.add_argument("--out-dir", help="folder for the results, created if missing (default: a new folder "
+                       "dilated-attention-bench-<date>-<time> in the current directory)")
+    bench.add_argument("--name", help="file name stem of the results (default: decode-<device>-<dtype>)")
+    bench.set_defaults(run=_cmd_decode_bench)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

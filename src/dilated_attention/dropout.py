@@ -43,7 +43,9 @@ def draw_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, SEED_BOUND, (), dtype=torch.int64, device=device)
 
 
-def row_keys(seed: torch.Tensor, batch_rows: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def row_keys(
+    seed: torch.Tensor, batch_rows: torch.Tensor, heads: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """Keys of query rows, ``(len(batch_rows), *positions.shape, len(heads))`` int64.
 
     ``batch_rows``: ``(B,)`` batch row indices; ``heads``: ``(h,)`` absolute head

@@ -66,7 +66,11 @@ class EngineConfig:
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:
-    """Rows ``t[..., :]`` holding a NaN or an infinity (two reductions, no full-size temporary)."""
+    """Rows ``t[..., :]`` holding a NaN or an infinity: for large tensors through two
+    reductions, which need no full-size temporary; for small ones (a decode step) in
+    fewer operations."""
+    if t.numel() <= 2**16:
+        return ~torch.isfinite(t).all(-1)
     return ~(torch.isfinite(t.amax(-1)) & torch.isfinite(t.amin(-1)))
 
 

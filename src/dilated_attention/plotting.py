@@ -17,6 +17,18 @@ def pyplot():
     return plt
 
 
+def log_log(axes_and_labels, xlabel: str, legend_size: int = 7) -> None:
+    """Log-log axes (base 2 along x) with a grid, a legend and the given y labels:
+    ``axes_and_labels`` is ``[(ax, ylabel), ...]``."""
+    for ax, label in axes_and_labels:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=legend_size)
+
+
 def save(fig, path: str, title: str, fontsize: int = 9, caption: str = "") -> None:
     """Title the figure, put ``caption`` (if any) under it, write it to ``path`` as
     PNG (atomically) and release it."""
