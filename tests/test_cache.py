@@ -142,7 +142,9 @@ def test_gradients_reach_the_queries_and_the_new_keys():
         (lambda c: c.attend(*[torch.randn(2, 1, 2, 3)] * 3), "q must have shape (batch=1, L >= 1, heads=2"),
         (lambda c: c.attend(*[torch.randn(1, 1, 2, 3, dtype=torch.float64)] * 3), "like the cache"),
         (lambda c: c.attend(torch.randn(1, 2, 2, 3), *[torch.randn(1, 1, 2, 3)] * 2), "q, k, v must have one shape"),
-        (lambda c: c.reorder(torch.tensor([1])), "indices must be in [0, 1)"),
+        (lambda c: c.reorder(torch.tensor([1])), "indices must be at least one sequence index in [0, 1)"),
+        (lambda c: c.reorder(torch.tensor([], dtype=torch.long)), "indices must be at least one sequence index"),
+        (lambda c: c.reorder(torch.tensor([True])), "indices must be a 1-D int64 (or int32) tensor"),
         (lambda c: c.reset(start=1.5), "start must be an int"),
     ],
 )
@@ -167,3 +169,26 @@ def test_non_finite_values_reach_the_rows_the_definition_says(cfg, data):
     out = feed(make_cache(cfg, tensors), tensors, data.draw(chunkings(cfg["seq_len"])))
     ref, _ = reference_dilated_attention(*tensors, **attn)
     assert max_relative_error(out, ref) <= 1e-10
+
+
+def test_training_through_the_cache_with_only_queries_requiring_grad():
+    segs, rates = [4, 8], [1, 2]
+    (q, k, v), _, _ = random_inputs(3, 1, 9, 2, 3)
+    k, v = k.detach(), v.detach()
+    cache = DilatedKVCache(1, 2, 3, segs, rates, dtype=torch.float64)
+    first, second = cache.attend(q[:, :5], k[:, :5], v[:, :5]), cache.attend(q[:, 5:], k[:, 5:], v[:, 5:])
+    (grad,) = torch.autograd.grad(first.square().sum() + second.square().sum(), q)
+    ref_q = q.detach().requires_grad_()
+    ref, _ = reference_dilated_attention(ref_q, k, v, segs, rates, is_causal=True)
+    (ref_grad,) = torch.autograd.grad(ref.square().sum(), ref_q)
+    assert max_relative_error(grad, ref_grad) <= 1e-12
+
+
+def test_inference_mode_then_normal_use_and_canonical_devices():
+    cache = DilatedKVCache(1, 2, 3, [4, 8], [1, 2], device="cpu:0")
+    x = torch.randn(1, 5, 2, 3)
+    with torch.inference_mode():
+        cache.attend(x, x, x)
+    cache.attend(x[:, :1], x[:, :1], x[:, :1])  # buffers made in inference mode are replaced
+    cache.reset()
+    assert cache.attend(x, x, x).shape == x.shape

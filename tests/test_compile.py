@@ -75,3 +75,17 @@ def test_compiled_function_follows_changing_sequence_lengths():
     compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
     for length in (40, 47, 64):
         check_against_eager(compiled, length)
+
+
+def test_compiled_key_window_follows_changing_key_offsets():
+    """A decode-style call whose key_offset changes every step (an int)."""
+    torch._dynamo.reset()
+
+    def window(q, k, v, offset):
+        return dilated_attention(q, k, v, [4, 6], [1, 2], is_causal=True, key_offset=offset)
+
+    compiled = torch.compile(window, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 2, 4, generator=gen, dtype=torch.float64) for n in (3, 9, 9))
+    for offset in (6, 18, 30):
+        assert max_relative_error(compiled(q, k, v, offset), window(q, k, v, offset)) <= 1e-12

@@ -117,6 +117,27 @@ def run_module(rank, world, group):
     return {"out": max_relative_error(local_out, out[:, lo:hi]), "grads": max_relative_error(grads, full_grads)}
 
 
+def shared_communicator_traffic(rank, group):
+    """Two calls (two layers) through one communicator, then one backward through both:
+    each call's record holds its own forward and backward, equal to the call alone."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 20, 2, 4, generator=gen, dtype=torch.float64)[:, 10 * rank : 10 * rank + 10]
+    x.requires_grad_()
+    layers = (([20], [1]), ([20], [2]))  # segments across both shards: traffic in each
+    communicator = Communicator(group)
+    records, outs = [], []
+    for segs, rates in layers:
+        outs.append(dilated_attention(x, x, x, segs, rates, process_group=communicator))
+        records.append(communicator.traffic)
+    torch.autograd.grad(sum(out.sum() for out in outs), x)
+    alone = []
+    for segs, rates in layers:
+        out = dilated_attention(x, x, x, segs, rates, process_group=communicator)
+        torch.autograd.grad(out.sum(), x)
+        alone.append(vars(communicator.traffic))
+    return [vars(record) for record in records], alone
+
+
 def worker(rank, world, init_file, cases, result_dir, scenario):
     torch.set_num_threads(1)
     # Generous, since 8 processes on 2 cores start slowly; short where a peer dies on purpose.
@@ -127,6 +148,16 @@ def worker(rank, world, init_file, cases, result_dir, scenario):
         if scenario == "cases":
             report["cases"] = [run_case(case, rank, world, dist.group.WORLD) for case in cases]
             report["module"] = run_module(rank, world, dist.group.WORLD)
+        elif scenario == "head_offsets":
+            x = torch.randn(1, 8, 4, 2, dtype=torch.float64)
+            try:
+                dilated_attention(x, x, x, [8], [2], head_offsets=("interleaved", "contiguous")[rank],
+                                  process_group=dist.group.WORLD)
+                report["error"] = None
+            except ValueError as exc:
+                report["error"] = str(exc)
+        elif scenario == "shared_communicator":
+            report["traffic"] = shared_communicator_traffic(rank, dist.group.WORLD)
         elif scenario in ("mismatch", "bad_input"):
             x = torch.randn(1, 8, 2, 4, dtype=torch.float64)
             mask = torch.zeros(1, 8, dtype=torch.bool if rank == 0 or scenario == "mismatch" else torch.int64)
@@ -243,6 +274,20 @@ def test_ranks_with_different_configurations_fail_loudly(tmp_path):
         assert "ValueError: process_group ranks disagree on segment_lengths (per rank: [[4], [8]])" in (
             reports[rank]["error"]
         )
+
+
+def test_ranks_with_different_head_offsets_fail_loudly(tmp_path):
+    reports = launch(2, tmp_path, scenario="head_offsets")
+    for rank in (0, 1):
+        assert "disagree on head_offsets (per rank: ['interleaved', 'contiguous'])" in reports[rank]["error"]
+
+
+def test_each_call_keeps_its_own_traffic_record(tmp_path):
+    reports = launch(2, tmp_path, scenario="shared_communicator")
+    for rank in (0, 1):
+        together, alone = reports[rank]["traffic"]
+        assert together == alone
+        assert alone[0] != alone[1] and alone[0]["backward_sent"] > 0
 
 
 def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank_at_once(tmp_path):

@@ -183,3 +183,14 @@ def test_fused_kernels_refuse_dropout_and_selection_says_what_supports_it():
     assert select_kernel(cpu, torch.float32, 0.1) is MathKernel
     assert select_kernel(torch.device("cuda"), torch.float64, 0.0) is MathKernel
     assert select_kernel(torch.device("cuda"), torch.bfloat16, 0.0) is CudaEfficientKernel
+
+
+def test_positions_beyond_int64_are_refused_and_huge_offsets_are_cheap():
+    q, k, v = qkv((1, 4, 2, 3), torch.float64)
+    with pytest.raises(ValueError, match=re.escape("key_offset must be at most 2**62")):
+        dilated_attention(q[:, :1], k, v, [8], [1], is_causal=True, key_offset=2**63)
+    start = time.perf_counter()
+    far = 2**61  # a multiple of 8: the window starts a segment
+    out = dilated_attention(q[:, :1], k, v, [8], [1], is_causal=True, key_offset=far, dropout_p=0.1)
+    ref, _ = reference_dilated_attention(q[:, :1], k, v, [8], [1], is_causal=True, key_offset=far)
+    assert time.perf_counter() - start < 5 and out.shape == ref.shape

@@ -146,3 +146,12 @@ def test_magneto_initialisation():
     for proj, gain in ((mha.q_proj, 1.0), (mha.k_proj, 1.0), (mha.v_proj, 2.0), (mha.out_proj, 2.0)):
         assert abs(proj.weight.std().item() / (gain * xavier_std) - 1) < 0.02
         assert torch.all(proj.bias == 0)
+
+
+def test_state_dicts_saved_before_head_offsets_existed_load_as_interleaved():
+    module = DilatedAttention(SEGS, RATES)
+    state = module.state_dict()
+    del state["_extra_state"]["head_offsets"]
+    module.load_state_dict(state)
+    with pytest.raises(ValueError, match="head_offsets='interleaved' into one with head_offsets='contiguous'"):
+        DilatedAttention(SEGS, RATES, head_offsets="contiguous").load_state_dict(state)

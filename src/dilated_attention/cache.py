@@ -80,16 +80,17 @@ class DilatedKVCache:
         self.head_offsets = validation.check_head_offsets(head_offsets)
         self.softmax_scale = validation.check_scale(softmax_scale, head_dim)
         self.shape = (int(batch), int(num_heads), int(head_dim))
-        self.dtype, self.device = dtype, torch.device("cpu") if device is None else torch.device(device)
-        self._k = self._v = torch.empty(batch, 0, num_heads, head_dim, dtype=dtype, device=self.device)
-        self._bad = None  # (B, slots, H) bool: key rows holding NaN or infinity, once one was appended
+        self.dtype = dtype
+        self.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
         self.reset(start)
 
     def reset(self, start: Union[int, torch.Tensor] = 0) -> None:
-        """Forget every position; the sequences start anew at ``start``."""
+        """Forget every position (and free the buffers); the sequences start anew at ``start``."""
         starts = self._starts(start)
         self._position = list(starts)
         self._stored_from = list(starts)  # earliest position kept, per sequence
+        self._k = self._v = torch.empty(len(starts), 0, *self.shape[1:], dtype=self.dtype, device=self.device)
+        self._bad = None  # (B, slots, H) bool: key rows holding NaN or infinity, once one was appended
         self._end = 0  # buffer slots [end - kept, end) hold a sequence's kept positions
 
     def _starts(self, start) -> list[int]:
@@ -113,8 +114,8 @@ class DilatedKVCache:
 
     @property
     def position(self) -> torch.Tensor:
-        """``(B,)`` int64: how many positions each sequence has seen (from its start:
-        the position of its next token)."""
+        """``(B,)`` int64: the position of each sequence's next token (its start plus
+        the tokens fed so far)."""
         return torch.tensor(self._position, dtype=torch.int64)
 
     @property
@@ -130,11 +131,11 @@ class DilatedKVCache:
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep the sequences ``indices`` (``(B',)`` ints, repeats allowed), in that order,
         as beam search does after picking its beams."""
-        if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.dtype.is_floating_point:
-            raise ValueError(f"indices must be a 1-D integer tensor of sequence indices, got {indices!r}")
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"indices must be a 1-D int64 (or int32) tensor of sequence indices, got {indices!r}")
         rows = indices.tolist()
-        if rows and not 0 <= min(rows) <= max(rows) < self.shape[0]:
-            raise ValueError(f"indices must be in [0, {self.shape[0]}), got {rows}")
+        if not rows or not 0 <= min(rows) <= max(rows) < self.shape[0]:
+            raise ValueError(f"indices must be at least one sequence index in [0, {self.shape[0]}), got {rows}")
         index = indices.to(self.device)
         self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
         self._bad = None if self._bad is None else self._bad.index_select(0, index)
@@ -151,7 +152,10 @@ class DilatedKVCache:
         if flags is not None and self._bad is None:
             self._bad = torch.zeros(self._k.shape[:3], dtype=torch.bool, device=self.device)
         capacity = self._k.shape[1]
-        if self._end + length > capacity or capacity > 4 * (kept + length):  # full, or far too large
+        # New buffers when full, far too large, or made in (or out of) inference mode
+        # and now written out of (or in) it.
+        stale = self._k.is_inference() != torch.is_inference_mode_enabled()
+        if self._end + length > capacity or capacity > 4 * (kept + length) or stale:
             capacity = 2 * (kept + length)
             buffers = [self._k, self._v] + ([] if self._bad is None else [self._bad])
             fresh = [t.new_empty(t.shape[0], capacity, *t.shape[2:]) for t in buffers]
@@ -192,7 +196,9 @@ class DilatedKVCache:
         for row, position in enumerate(self._position):
             groups.setdefault(position, []).append(row)
         keys = self._k[:, : first_slot + length], self._v[:, : first_slot + length]
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):  # the new rows with their graph
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            # Autograd keeps the keys it used: a copy, as the buffers change in place, with
+            # the new rows' graph.
             keys = tuple(torch.cat([old[:, :first_slot], new], 1) for old, new in zip(keys, (k, v)))
         parts, order = [], []
         for position, rows in groups.items():

@@ -42,7 +42,9 @@ class Traffic:
 class Communicator:
     """A process group for sequence-parallel dilated attention. Pass it as
     ``process_group`` (a plain group works too); after a call, ``traffic`` is the
-    :class:`Traffic` of that call, its backward included once that has run."""
+    :class:`Traffic` of the latest call's forward, and of its backward once that has
+    run (each call keeps its own record: the backward of an earlier call, say an
+    earlier layer, adds to that call's, which the caller may have kept)."""
 
     def __init__(self, group=None):
         self.group = dist.group.WORLD if group is None else group
@@ -63,7 +65,8 @@ def _settings(call, dropout_p: float) -> dict:
     batch, _, heads, head_dim = call.shape
     return {
         "batch": batch, "heads": heads, "head_dim": head_dim, "dtype": str(call.q.dtype),
-        "device type": call.q.device.type, "mode": call.mode, "is_causal": call.is_causal,
+        "device type": call.q.device.type, "mode": call.mode, "head_offsets": call.head_offsets,
+        "is_causal": call.is_causal,
         "key_padding_mask (given or None)": call.padding is not None,
         "segment_lengths": list(call.segment_lengths), "dilation_rates": list(call.dilation_rates),
         "softmax_scale": call.scale, "dropout_p": dropout_p,
@@ -115,6 +118,7 @@ class Exchange:
     dtype: torch.dtype
     device: torch.device
     seed: Optional[torch.Tensor] = None
+    traffic: Traffic = field(default_factory=Traffic)
     received: tuple = ((), ())
     _pending: list = field(default_factory=list)
     _incoming: dict = field(default_factory=dict)
@@ -141,9 +145,9 @@ class Exchange:
             size = 2 * self.batch * self.dim * sum(len(rows) for rows in unions.values())
             self._incoming[peer] = k.new_empty(size + (self.batch * len(_all_rows(unions)) if self.masked else 0))
         self._pending = self.communicator.transfer(outgoing, self._incoming)
-        traffic = self.communicator.traffic = Traffic()
-        traffic.forward_sent = sum(_nbytes(t) for t in outgoing.values())
-        traffic.forward_received = sum(_nbytes(t) for t in self._incoming.values())
+        self.communicator.traffic = self.traffic  # this call's, its backward included once run
+        self.traffic.forward_sent = sum(_nbytes(t) for t in outgoing.values())
+        self.traffic.forward_received = sum(_nbytes(t) for t in self._incoming.values())
 
     def finish_forward(self) -> tuple[list[KeySource], list[Block]]:
         """Wait for the rows; return them as key sources ``1, 2, ...``, each with the
@@ -202,9 +206,8 @@ class Exchange:
             for peer, unions in self.unions_to.items()
         }
         self._pending = self.communicator.transfer(outgoing, self._incoming)
-        traffic = self.communicator.traffic
-        traffic.backward_sent = sum(_nbytes(t) for t in outgoing.values())
-        traffic.backward_received = sum(_nbytes(t) for t in self._incoming.values())
+        self.traffic.backward_sent = sum(_nbytes(t) for t in outgoing.values())
+        self.traffic.backward_received = sum(_nbytes(t) for t in self._incoming.values())
 
     def finish_backward(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """Wait for the gradients of this rank's rows and add them into ``dk, dv``."""

@@ -69,7 +69,8 @@ def dilated_attention(
             integer tensor: one per sequence); the queries are positions
             ``key_offset + Lk - Lq ..``. Segments are anchored at position 0, and the
             keys must reach back to the start of the first query's segment in every
-            branch (the last ``max(segment_lengths)`` positions always do).
+            branch (the ``max(segment_lengths) - 1`` positions before the first query
+            always do). Under ``torch.compile(fullgraph=True)`` pass an int.
         return_lse: also return the log-sum-exp.
         layout: ``"bnhd"`` (default) or ``"bhnd"``: the layout of ``q, k, v``, of
             the output and of the LSE (``(B, Lq, H)`` or ``(B, H, Lq)``).

@@ -95,7 +95,8 @@ class DilatedAttention(nn.Module):
         }
 
     def set_extra_state(self, state) -> None:
-        _refuse_mismatch(self, dict(state), self.get_extra_state())
+        saved = {"head_offsets": "interleaved", **dict(state)}  # saved before head_offsets existed
+        _refuse_mismatch(self, saved, self.get_extra_state())
 
     def extra_repr(self) -> str:
         return (

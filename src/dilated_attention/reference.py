@@ -39,9 +39,8 @@ def branch_pattern(
     """
     w = min(w, seq_len)
     r = min(r, w)
-    everything = torch.arange(seq_len)
-    queries = everything if query_positions is None else query_positions
-    keys = everything if key_positions is None else key_positions
+    queries = torch.arange(seq_len) if query_positions is None else query_positions
+    keys = torch.arange(seq_len) if key_positions is None else key_positions
 
     def selected(positions):  # (..., H, L)
         return (positions % w % r).unsqueeze(-2) == offsets[:, None]

@@ -18,6 +18,9 @@ FLOAT_DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16
 }
 
+# The largest position a key may have (positions are int64, with room to spare).
+MAX_POSITION = 2**62
+
 # Tensor layouts the functional API accepts: ours, and PyTorch SDPA's.
 LAYOUTS = {"bnhd": "(batch, seq_len, heads, head_dim)", "bhnd": "(batch, heads, seq_len, head_dim)"}
 
@@ -171,9 +174,11 @@ def check_key_offset(key_offset, batch: int, device) -> tuple[int, ...]:
     elif isinstance(key_offset, bool) or not isinstance(key_offset, numbers.Integral):
         raise TypeError(f"key_offset must be an int or a (batch,) integer tensor, got {type_name(key_offset)}")
     else:
-        offsets = (int(key_offset),) * batch
+        offsets = (operator.index(key_offset),) * batch  # operator.index: torch.compile specialises on it
     if min(offsets) < 0:
         raise ValueError(f"key_offset must be >= 0 (the position of k's first row), got {min(offsets)}")
+    if max(offsets) > MAX_POSITION:
+        raise ValueError(f"key_offset must be at most 2**62 (positions are int64), got {max(offsets)}")
     return offsets
 
 
@@ -186,7 +191,8 @@ def check_window(key_offset: int, num_queries: int, num_keys: int, segment_lengt
         raise ValueError(
             f"the keys start at position key_offset={key_offset}, but the first query (position "
             f"{first_query}) attends to keys from position {needed}, where its segment starts: pass k and "
-            f"v from position {needed} on (the last max(segment_lengths) positions always suffice)"
+            f"v from position {needed} on (the max(segment_lengths) - 1 positions before the first query "
+            "always suffice)"
         )
 
 
