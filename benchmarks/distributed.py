@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-from dilated_attention.files import atomic_write
+from dilated_attention.files import write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, "..", "examples", "distributed.py")
@@ -61,10 +61,7 @@ def main() -> int:
     print("\n".join(lines))
     stem = os.path.join(HERE, "results", "distributed-cpu")
     os.makedirs(os.path.dirname(stem), exist_ok=True)
-    with atomic_write(stem + ".json") as f:
-        json.dump(runs, f, indent=1)
-    with atomic_write(stem + ".txt") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(stem, runs, "\n".join(lines))
     print(f"wrote {stem}.json and {stem}.txt")
     return 0
 

@@ -14,7 +14,6 @@ and .txt.
 """
 
 import argparse
-import json
 import os
 import time
 
@@ -22,7 +21,7 @@ import torch
 
 from dilated_attention import dilated_attention
 from dilated_attention.benchmark import PeakMemory, machine_info
-from dilated_attention.files import atomic_write
+from dilated_attention.files import write_results
 from dilated_attention.plan import make_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -93,11 +92,8 @@ def main() -> int:
         say(f"  N={row['seq_len']} w={row['w']} dropout_p={row['dropout_p']}: forward {row['forward_s']:.1f} s, "
             f"added {row['peak_added_mib']:.0f} MiB (q, k, v: {row['qkv_mib']:.0f} MiB)")
     stem = os.path.join(HERE, "results", "edge-costs-cpu")
-    with atomic_write(stem + ".json") as f:
-        payload = {"machine": machine_info(torch.device("cpu")), "tiny_segments": tiny, "dropout": dropout}
-        json.dump(payload, f, indent=1)
-    with atomic_write(stem + ".txt") as f:
-        f.write("\n".join(lines) + "\n")
+    payload = {"machine": machine_info(torch.device("cpu")), "tiny_segments": tiny, "dropout": dropout}
+    write_results(stem, payload, "\n".join(lines))
     print(f"wrote {stem}.json and {stem}.txt")
     return 0
 

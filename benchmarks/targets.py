@@ -10,14 +10,13 @@ and .txt.
 """
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 from dilated_attention import benchmark
-from dilated_attention.files import atomic_write
+from dilated_attention.files import write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -78,24 +77,12 @@ def main() -> int:
         say(f"{name:58} {value:9.3f} {goal_text:>8}  {'' if met is None else ('yes' if met else 'NO')}")
         report.append({"target": name, "measured": value, "goal": goal_text, "met": met})
 
-    out = os.path.join(HERE, "results", f"targets-{args.device}-float32.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with atomic_write(out[: -len(".json")] + ".txt") as f:
-        f.write("\n".join(lines) + "\n")
-    with atomic_write(out) as f:
-        json.dump(
-            {
-                "machine": speed.machine,
-                "checks": report,
-                "runs": {
-                    name: [vars(r) for r in res.rows]
-                    for name, res in (("speed", speed), ("memory", memory), ("scaling", scaling))
-                },
-            },
-            f,
-            indent=1,
-        )
-    print(f"wrote {out} and the .txt beside it")
+    stem = os.path.join(HERE, "results", f"targets-{args.device}-float32")
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
+    runs = {name: [vars(r) for r in res.rows] for name, res in (("speed", speed), ("memory", memory),
+                                                                 ("scaling", scaling))}
+    write_results(stem, {"machine": speed.machine, "checks": report, "runs": runs}, "\n".join(lines))
+    print(f"wrote {stem}.json and {stem}.txt")
     return 0
 
 

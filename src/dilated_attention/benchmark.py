@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import os
 import platform
 import statistics
@@ -28,7 +27,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .files import atomic_write
 from .functional import dilated_attention
 from .intmath import ceil_div
 from .kernels import select_kernel
@@ -424,16 +422,13 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def write_json(result: BenchResult, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    payload = {
+def to_json(result: BenchResult) -> dict:
+    return {
         "config": asdict(result.config),
         "machine": result.machine,
         "matmul_gflops": result.matmul_gflops,
         "rows": [asdict(r) for r in result.rows],
     }
-    with atomic_write(path) as f:
-        json.dump(payload, f, indent=1)
 
 
 def plot(result: BenchResult, path: str) -> None:

@@ -10,7 +10,6 @@ result, row for row.
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional, Sequence, Union
 
 import torch
@@ -69,8 +68,7 @@ class DilatedKVCache:
         device=None,
     ):
         for name, value in (("batch", batch), ("num_heads", num_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            validation.check_positive_int(value, name)
         if dtype not in validation.FLOAT_DTYPES.values():
             raise ValueError(f"dtype must be float64, float32, bfloat16 or float16, got {dtype}")
         self.segment_lengths, self.dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
@@ -94,15 +92,7 @@ class DilatedKVCache:
         self._end = 0  # buffer slots [end - kept, end) hold a sequence's kept positions
 
     def _starts(self, start) -> list[int]:
-        batch = self.shape[0]
-        if isinstance(start, torch.Tensor):
-            if start.shape != (batch,) or start.dtype.is_floating_point or start.dtype == torch.bool:
-                raise ValueError(f"start must be an int or an integer tensor of shape ({batch},), got {start!r}")
-            starts = [int(s) for s in start.tolist()]
-        elif isinstance(start, bool) or not isinstance(start, numbers.Integral):
-            raise TypeError(f"start must be an int or a (batch,) integer tensor, got {validation.type_name(start)}")
-        else:
-            starts = [int(start)] * batch
+        starts = list(validation.check_per_row_ints(start, "start", self.shape[0]))
         for s in starts:
             if s > 0 and window_start_needed(s, self.segment_lengths) != s:
                 raise ValueError(
@@ -131,7 +121,8 @@ class DilatedKVCache:
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep the sequences ``indices`` (``(B',)`` ints, repeats allowed), in that order,
         as beam search does after picking its beams."""
-        if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64):
+        integer = isinstance(indices, torch.Tensor) and indices.dtype in (torch.int32, torch.int64)
+        if not integer or indices.dim() != 1:
             raise ValueError(f"indices must be a 1-D int64 (or int32) tensor of sequence indices, got {indices!r}")
         rows = indices.tolist()
         if not rows or not 0 <= min(rows) <= max(rows) < self.shape[0]:

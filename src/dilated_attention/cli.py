@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -12,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import __version__, benchmark, validation
-from .files import atomic_write, fresh_folder
+from .files import fresh_folder, write_results
 from .plan import MODES
 
 DTYPES = validation.FLOAT_DTYPES
@@ -105,19 +104,8 @@ def _cmd_bench(args) -> int:
         matmul_size=args.matmul_size,
     )
     result = benchmark.run(cfg, progress=not args.quiet)
-    table = benchmark.format_table(result)
-    print(table)
-    out_dir = _bench_folder(args.out_dir)
-    stem = os.path.join(out_dir, args.name or f"bench-{args.device}-{args.dtype}")
-    benchmark.write_json(result, stem + ".json")
-    with atomic_write(stem + ".txt") as f:
-        f.write(table + "\n")
-    print(f"wrote {stem}.json and {stem}.txt")
-    if not args.no_plot:
-        benchmark.plot(result, stem + ".png")
-        print(f"wrote {stem}.png")
-    print(f"results in {os.path.abspath(out_dir)}")
-    return 0
+    return _save_results(args, "bench", benchmark.to_json(result), benchmark.format_table(result),
+                         lambda path: benchmark.plot(result, path))
 
 
 def _cmd_decode_bench(args) -> int:
@@ -130,17 +118,21 @@ def _cmd_decode_bench(args) -> int:
         dense_steps=args.dense_steps,
     )
     result = decode_benchmark.run(cfg)
-    table = decode_benchmark.format_table(result)
+    return _save_results(args, "decode", decode_benchmark.to_json(result), decode_benchmark.format_table(result),
+                         lambda path: decode_benchmark.plot(result, path))
+
+
+def _save_results(args, kind: str, payload: dict, table: str, plot) -> int:
+    """Print ``table``; write it, ``payload`` (JSON) and, unless ``--no-plot``, ``plot(path)``
+    (PNG) into the results folder as ``<--name or kind-device-dtype>.*``; say where."""
     print(table)
     out_dir = _bench_folder(args.out_dir)
-    stem = os.path.join(out_dir, args.name or f"decode-{args.device}-{args.dtype}")
-    with atomic_write(stem + ".json") as f:
-        json.dump(decode_benchmark.to_json(result), f, indent=1)
-    with atomic_write(stem + ".txt") as f:
-        f.write(table + "\n")
+    stem = os.path.join(out_dir, args.name or f"{kind}-{args.device}-{args.dtype}")
+    write_results(stem, payload, table)
     if not args.no_plot:
-        decode_benchmark.plot(result, stem + ".png")
-    print(f"results in {os.path.abspath(out_dir)}")
+        plot(stem + ".png")
+    files = f"{os.path.basename(stem)}.json, .txt" + ("" if args.no_plot else ", .png")
+    print(f"results in {os.path.abspath(out_dir)}: {files}")
     return 0
 
 
@@ -211,6 +203,27 @@ def _add_pattern(sub) -> None:
     pattern.set_defaults(run=_cmd_pattern)
 
 
+def _add_run_options(bench, tensors: str, stem: str) -> None:
+    """The options both benchmark commands share: device, dtype of ``tensors``, the
+    attention's shape, threads, and where the results go (files named ``stem-...``)."""
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
+    bench.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                       help=f"dtype of {tensors} (default: float32)")
+    bench.add_argument("--segment-lengths", type=positive_int, nargs="+", metavar="W", default=[2048, 4096, 8192],
+                       help="segment length w of each branch (default: 2048 4096 8192)")
+    bench.add_argument("--dilation-rates", type=positive_int, nargs="+", metavar="R", default=[1, 2, 4],
+                       help="dilation rate r of each branch (default: 1 2 4)")
+    bench.add_argument("--heads", type=positive_int, metavar="H", default=8, help="number of heads H (default: 8)")
+    bench.add_argument("--head-dim", type=positive_int, metavar="D", default=64,
+                       help="size D of each head (default: 64)")
+    bench.add_argument("--threads", type=positive_int,
+                       help="CPU threads, for torch.set_num_threads (default: torch's own)")
+    bench.add_argument("--no-plot", action="store_true", help="write no PNG plot (default: off)")
+    bench.add_argument("--out-dir", help="folder to write the results into, created if missing (default: a new "
+                       "folder dilated-attention-bench-YYYYmmdd-HHMMSS in the current directory)")
+    bench.add_argument("--name", help=f"file name stem of the JSON, text and PNG files (default: {stem}-DEVICE-DTYPE)")
+
+
 def _add_bench(sub) -> None:
     bench = _add_command(
         sub, "bench", "Time dense vs dilated attention; measure their memory.",
@@ -218,19 +231,10 @@ def _add_bench(sub) -> None:
         "a call adds, compare their speed with a square matmul's, and write a JSON file, a text "
         "table and a plot into a new folder (or --out-dir).",
     )
-    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
-    bench.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                       help="dtype of q, k, v (default: float32)")
+    _add_run_options(bench, "q, k, v", "bench")
     bench.add_argument("--seq-lens", type=positive_int, nargs="+", metavar="N", help="sequence lengths N to measure "
                        "(default: powers of 2 from 4096 to 131072 on CPU, to 1048576 on CUDA)")
-    bench.add_argument("--segment-lengths", type=positive_int, nargs="+", metavar="W", default=[2048, 4096, 8192],
-                       help="segment length w of each branch (default: 2048 4096 8192)")
-    bench.add_argument("--dilation-rates", type=positive_int, nargs="+", metavar="R", default=[1, 2, 4],
-                       help="dilation rate r of each branch (default: 1 2 4)")
     bench.add_argument("--batch", type=positive_int, metavar="B", default=1, help="batch size B (default: 1)")
-    bench.add_argument("--heads", type=positive_int, metavar="H", default=8, help="number of heads H (default: 8)")
-    bench.add_argument("--head-dim", type=positive_int, metavar="D", default=64,
-                       help="size D of each head (default: 64)")
     bench.add_argument("--causal", action="store_true",
                        help="queries attend only to keys at or before them (default: off)")
     impls = benchmark.IMPLEMENTATIONS
@@ -239,20 +243,13 @@ def _add_bench(sub) -> None:
                        f"mixture and head_groups the library (default: {' '.join(impls)})")
     bench.add_argument("--repeats", type=positive_int, default=3,
                        help="timed runs per measurement, of which the median counts (default: 3)")
-    bench.add_argument("--threads", type=positive_int,
-                       help="CPU threads, for torch.set_num_threads (default: torch's own)")
     bench.add_argument("--max-seconds", type=positive_float, default=60.0,
                        help="skip a measurement predicted to take longer, such as dense at large N (default: 60)")
     bench.add_argument("--matmul-size", type=positive_int, default=4096,
                        help="side of the square matmul the speed ratios refer to (default: 4096)")
     bench.add_argument("--no-backward", action="store_true", help="time the forward only (default: off)")
     bench.add_argument("--no-memory", action="store_true", help="do not measure peak memory (default: off)")
-    bench.add_argument("--no-plot", action="store_true", help="write no PNG plot (default: off)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
-    bench.add_argument("--out-dir", help="folder to write the results into (default: a new folder "
-                       "dilated-attention-bench-YYYYmmdd-HHMMSS in the current directory)")
-    bench.add_argument("--name", help="file name stem of the JSON, text and PNG files "
-                       "(default: bench-DEVICE-DTYPE)")
     bench.set_defaults(run=_cmd_bench)
 
 
@@ -265,27 +262,12 @@ def _add_decode_bench(sub) -> None:
     )
     bench.add_argument("--positions", type=positive_int, nargs="+", metavar="P", default=[4096, 65536, 2**20],
                        help="positions (tokens already seen) to measure at (default: 4096 65536 1048576)")
-    bench.add_argument("--segment-lengths", type=positive_int, nargs="+", metavar="W", default=[2048, 4096, 8192],
-                       help="segment length w of each branch (default: 2048 4096 8192)")
-    bench.add_argument("--dilation-rates", type=positive_int, nargs="+", metavar="R", default=[1, 2, 4],
-                       help="dilation rate r of each branch (default: 1 2 4)")
-    bench.add_argument("--heads", type=positive_int, metavar="H", default=8, help="number of heads H (default: 8)")
-    bench.add_argument("--head-dim", type=positive_int, metavar="D", default=64,
-                       help="size D of each head (default: 64)")
-    bench.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                       help="dtype of the caches (default: float32)")
-    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
+    _add_run_options(bench, "the caches", "decode")
     bench.add_argument("--steps", type=positive_int, default=8192,
                        help="one-token steps timed per position for the dilated cache; lcm of the segment lengths "
                        "covers every phase of the segments (default: 8192)")
     bench.add_argument("--dense-steps", type=positive_int, default=16,
                        help="one-token steps timed per position for the dense cache (default: 16)")
-    bench.add_argument("--threads", type=positive_int,
-                       help="CPU threads, for torch.set_num_threads (default: torch's own)")
-    bench.add_argument("--no-plot", action="store_true", help="do not draw the plot (default: draw it)")
-    bench.add_argument("--out-dir", help="folder for the results, created if missing (default: a new folder "
-                       "dilated-attention-bench-<date>-<time> in the current directory)")
-    bench.add_argument("--name", help="file name stem of the results (default: decode-<device>-<dtype>)")
     bench.set_defaults(run=_cmd_decode_bench)
 
 

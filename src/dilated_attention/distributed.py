@@ -57,7 +57,7 @@ class Communicator:
         return dist.batch_isend_irecv(ops) if ops else []
 
     def _global(self, peer: int) -> int:
-        return dist.get_global_rank(self.group, peer) if self.group is not None else peer
+        return dist.get_global_rank(self.group, peer)
 
 
 def _settings(call, dropout_p: float) -> dict:

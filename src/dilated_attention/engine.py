@@ -213,7 +213,7 @@ def _call(cfg: EngineConfig, block: Block, q, bad_q, source: KeySource, seed) ->
     if seed is not None:
         positions = cfg.query_position + block.queries.positions(q.device)
         heads = torch.arange(q.shape[2], device=q.device)[block.queries.heads]
-        rows = torch.arange(batch, device=q.device) if cfg.batch_rows is None else torch.tensor(cfg.batch_rows)
+        rows = torch.arange(batch) if cfg.batch_rows is None else torch.tensor(cfg.batch_rows)
         columns = column_keys(source.positions(keys)).expand(batch, -1, -1).flatten(0, 1).unsqueeze(1)
         keys_of_rows = row_keys(seed, rows.to(q.device), heads, positions)
         dropout = DropoutMask(cfg.dropout_p, _to_kernel(keys_of_rows), columns)
@@ -367,7 +367,8 @@ def engine_backward(
     remote_sources, remote_blocks = exchange.received if exchange is not None else ([], [])
     acc = _accumulation_dtype(q.dtype, cfg, exchange is not None)
     grad_q = _buffer(q.shape, acc, q.device, cfg, 0.0)
-    if _keys_are_queries(cfg):
+    keys_fresh = _keys_are_queries(cfg)
+    if keys_fresh:
         grad_k, grad_v = (_buffer(t.shape, acc, t.device, cfg, 0.0) for t in (k, v))
     else:
         grad_k, grad_v = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
@@ -399,7 +400,6 @@ def engine_backward(
         remote_key_grads.append(tuple(g.squeeze(1) * cfg.out_scale for g in (dk, dv)))
     if exchange is not None:
         exchange.start_backward(remote_key_grads)
-    keys_fresh = _keys_are_queries(cfg)
     for block in _calls(cfg.blocks, cfg.max_call_elements, batch, dim):
         dq, dk, dv = block_grads(block)
         _write(block.queries.select(grad_q), dq, block.fresh, cfg.out_scale)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import uuid
 from typing import IO, Iterator
@@ -29,6 +30,14 @@ def atomic_write(path: str, binary: bool = False) -> Iterator[IO]:
     except BaseException:
         os.remove(temporary)
         raise
+
+
+def write_results(stem: str, payload: dict, table: str) -> None:
+    """``stem.json`` (``payload``) and ``stem.txt`` (``table``), each written atomically."""
+    with atomic_write(stem + ".json") as f:
+        json.dump(payload, f, indent=1)
+    with atomic_write(stem + ".txt") as f:
+        f.write(table + "\n")
 
 
 def fresh_folder(stem: str) -> str:

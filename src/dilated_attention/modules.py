@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -144,10 +143,7 @@ class MultiheadDilatedAttention(nn.Module):
         super().__init__()
         self.batch_first = validation.check_flag(batch_first, "batch_first")
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            validation.check_positive_int(value, name)
         if embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}): "

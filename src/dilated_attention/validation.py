@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .plan import HEAD_OFFSETS, MODES
+from .plan import HEAD_OFFSETS, MODES, window_start_needed
 
 # The dtypes the library computes in, by name (as the command line spells them).
 FLOAT_DTYPES = {
@@ -161,20 +161,33 @@ def check_qkv(q, k, v, layout: str = "bnhd") -> None:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}: move it")
 
 
-def check_key_offset(key_offset, batch: int, device) -> tuple[int, ...]:
+def check_positive_int(value, name: str) -> int:
+    """An int ``>= 1`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type_name(value)}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def check_per_row_ints(value, name: str, batch: int) -> tuple[int, ...]:
+    """An int, or a ``(batch,)`` integer tensor: one int per batch row."""
+    if isinstance(value, torch.Tensor):
+        if value.shape != (batch,) or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise ValueError(
+                f"{name} must be an int or an integer tensor of shape (batch,) = ({batch},), got "
+                f"{value.dtype} of shape {tuple(value.shape)}"
+            )
+        return tuple(int(a) for a in value.tolist())
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int or a (batch,) integer tensor, got {type_name(value)}")
+    return (operator.index(value),) * batch  # operator.index: torch.compile specialises on it
+
+
+def check_key_offset(key_offset, batch: int) -> tuple[int, ...]:
     """``key_offset``: an int ``>= 0``, or a ``(B,)`` integer tensor of them; one per
     batch row."""
-    if isinstance(key_offset, torch.Tensor):
-        if key_offset.shape != (batch,) or key_offset.dtype.is_floating_point or key_offset.dtype == torch.bool:
-            raise ValueError(
-                f"key_offset must be an int or an integer tensor of shape (batch,) = ({batch},), got "
-                f"{key_offset.dtype} of shape {tuple(key_offset.shape)}"
-            )
-        offsets = tuple(int(a) for a in key_offset.tolist())
-    elif isinstance(key_offset, bool) or not isinstance(key_offset, numbers.Integral):
-        raise TypeError(f"key_offset must be an int or a (batch,) integer tensor, got {type_name(key_offset)}")
-    else:
-        offsets = (operator.index(key_offset),) * batch  # operator.index: torch.compile specialises on it
+    offsets = check_per_row_ints(key_offset, "key_offset", batch)
     if min(offsets) < 0:
         raise ValueError(f"key_offset must be >= 0 (the position of k's first row), got {min(offsets)}")
     if max(offsets) > MAX_POSITION:
@@ -186,7 +199,7 @@ def check_window(key_offset: int, num_queries: int, num_keys: int, segment_lengt
     """The keys must reach back to the start of the segment of the first query, in
     every branch (see :func:`dilated_attention.plan.window_start_needed`)."""
     first_query = key_offset + num_keys - num_queries
-    needed = min(first_query // w * w for w in segment_lengths)
+    needed = window_start_needed(first_query, segment_lengths)
     if key_offset > needed:
         raise ValueError(
             f"the keys start at position key_offset={key_offset}, but the first query (position "
@@ -281,7 +294,7 @@ def check_attention(
         )
     if mode == "head_groups":
         check_head_groups(num_heads, len(segment_lengths))
-    key_offsets = check_key_offset(key_offset, batch, q.device)
+    key_offsets = check_key_offset(key_offset, batch)
     for offset in sorted(set(key_offsets)):
         check_window(offset, num_queries, num_keys, segment_lengths)
     return Attention(
