@@ -109,14 +109,14 @@ def _help(argv, capsys, monkeypatch):
 def test_top_level_help_has_one_sentence_per_command_and_no_markup(capsys, monkeypatch):
     text = _help([], capsys, monkeypatch)
     assert "``" not in text
-    for command in ("check", "pattern", "bench"):
+    for command in ("check", "pattern", "bench", "decode-bench", "train", "generate"):
         (line,) = [line for line in text.splitlines() if line.startswith(f"    {command} ")]
         sentence = line.split(None, 1)[1]
         assert sentence[0].isupper() and sentence.endswith("."), line
     assert "--version" in option_help(text)
 
 
-@pytest.mark.parametrize("command", ["check", "pattern", "bench"])
+@pytest.mark.parametrize("command", ["check", "pattern", "bench", "decode-bench", "train", "generate"])
 def test_every_option_says_what_it_does_and_its_default(command, capsys, monkeypatch):
     text = _help([command], capsys, monkeypatch)
     assert "``" not in text

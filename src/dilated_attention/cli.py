@@ -1,4 +1,5 @@
-"""Command line: ``dilated-attention check | pattern | bench`` (also ``python -m dilated_attention``)."""
+"""Command line: ``dilated-attention check | pattern | bench | decode-bench | train | generate``
+(also ``python -m dilated_attention``)."""
 
 from __future__ import annotations
 
@@ -11,26 +12,12 @@ from typing import Optional, Sequence
 import torch
 
 from . import __version__, benchmark, validation
+from .arguments import positive_float, positive_int
 from .files import fresh_folder, write_results
 from .plan import MODES
+from .training.commands import add_generate, add_train
 
 DTYPES = validation.FLOAT_DTYPES
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite float > 0."""
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return value
 
 
 # The pattern draws an (N, N) picture per head, through the dense reference.
@@ -149,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dilated-attention",
         description="Exact LongNet dilated attention: check it against its float64 reference, "
-        "draw its attention pattern, or benchmark it against dense attention.",
+        "draw its attention pattern, benchmark it against dense attention, train a LongNet language "
+        "model and sample from it.",
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {__version__} (torch {torch.__version__})",
@@ -160,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pattern(sub)
     _add_bench(sub)
     _add_decode_bench(sub)
+    add_train(sub, _add_command)
+    add_generate(sub, _add_command)
     return parser
 
 

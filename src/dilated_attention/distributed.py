@@ -262,3 +262,12 @@ def make_exchange(process_group, call, dropout_p: float, error: Optional[Excepti
     device = call.q.device
     seed = None if seed is None else torch.tensor(seed, dtype=torch.int64, device=device)
     return Exchange(communicator, plan, call.padding is not None, batch, dim, call.q.dtype, device, seed)
+
+
+def shard_start(process_group, length: int) -> int:
+    """The sequence position of this rank's first row, given its shard's ``length``:
+    the lower ranks' lengths summed (one small all-gather)."""
+    group = process_group.group if isinstance(process_group, Communicator) else process_group
+    lengths: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(lengths, int(length), group=group)
+    return sum(lengths[: dist.get_rank(group)])

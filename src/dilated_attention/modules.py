@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import validation
+from .cache import DilatedKVCache
 from .functional import dilated_attention
 
 
@@ -20,6 +21,20 @@ def _refuse_mismatch(module: nn.Module, saved: dict, mine: dict) -> None:
                 f"{saved.get(name, 'missing')!r} into one with {name}={value!r}: build the module "
                 "with the checkpoint's configuration"
             )
+
+
+def sequence_positions(length: int, device, cache=None, process_group=None) -> torch.Tensor:
+    """Where ``length`` rows sit in their sequences: ``(length,)`` int64 ``0 ..``, this
+    rank's shard positions with ``process_group``, or ``(B, length)`` after each
+    sequence's ``cache.position``."""
+    steps = torch.arange(length, device=device)
+    if cache is not None:
+        return cache.position.to(device)[:, None] + steps
+    if process_group is not None:
+        from .distributed import shard_start
+
+        return steps + shard_start(process_group, length)
+    return steps
 
 
 class DilatedAttention(nn.Module):
@@ -116,6 +131,12 @@ class MultiheadDilatedAttention(nn.Module):
     configuration are stored in the ``state_dict``; loading one saved with others
     raises ``ValueError``.
 
+    Positions: ``rotary`` (e.g. :class:`dilated_attention.rotary.RotaryEmbedding`), a
+    callable ``rotary(x, positions)`` applied to the projected ``q`` and ``k``
+    ``(B, N, H, D)`` at their absolute ``positions`` (``(N,)`` or ``(B, N)`` ints).
+    Decoding: :meth:`new_cache`, then ``forward(x, is_causal=True, cache=cache)`` with
+    the next positions of every sequence.
+
     Initialisation (MAGNETO, Wang et al. 2022): ``q_proj`` and ``k_proj`` weights
     are Xavier-normal with gain 1; ``v_proj`` and ``out_proj`` weights Xavier-normal
     with gain ``gamma_init`` (MAGNETO's ``gamma``, which the enclosing model derives
@@ -137,6 +158,7 @@ class MultiheadDilatedAttention(nn.Module):
         layer_norm_eps: float = 1e-5,
         gamma_init: float = 1.0,
         batch_first: bool = True,
+        rotary=None,
         device=None,
         dtype=None,
     ):
@@ -156,6 +178,9 @@ class MultiheadDilatedAttention(nn.Module):
             validation.check_head_groups(num_heads, len(self.attention.segment_lengths))
         self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
         self.gamma_init = float(gamma_init)
+        if rotary is not None and not callable(rotary):
+            raise TypeError(f"rotary must be a callable rotary(x, positions), got {validation.type_name(rotary)}")
+        self.rotary = rotary
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
@@ -184,6 +209,40 @@ class MultiheadDilatedAttention(nn.Module):
     def set_extra_state(self, state) -> None:
         _refuse_mismatch(self, dict(state), self.get_extra_state())
 
+    def new_cache(self, batch: int, *, start=0, dtype=None, device=None) -> DilatedKVCache:
+        """An empty :class:`dilated_attention.DilatedKVCache` for ``batch`` sequences that
+        matches this module's heads and attention (dtype and device default to the
+        parameters'); see its ``start`` for left padding."""
+        weight = self.q_proj.weight
+        attention = self.attention
+        return DilatedKVCache(
+            batch, self.num_heads, self.embed_dim // self.num_heads, attention.segment_lengths,
+            attention.dilation_rates, mode=attention.mode, head_offsets=attention.head_offsets,
+            softmax_scale=attention.softmax_scale, start=start, dtype=dtype or weight.dtype,
+            device=weight.device if device is None else device,
+        )
+
+    def _check_cache(self, cache, is_causal, key_padding_mask, process_group) -> None:
+        if not isinstance(cache, DilatedKVCache):
+            raise TypeError(f"cache must be a DilatedKVCache (see new_cache), got {validation.type_name(cache)}")
+        if not is_causal or key_padding_mask is not None or process_group is not None:
+            raise ValueError(
+                "a cache attends causally to the sequences' earlier positions: pass is_causal=True, "
+                "key_padding_mask=None (left-pad with the cache's start instead) and no process_group"
+            )
+        if self.training and self.attention.dropout > 0:
+            raise ValueError("a cache computes without dropout: call .eval() first (or build with dropout=0)")
+        attention, head_dim = self.attention, self.embed_dim // self.num_heads
+        mine = (self.num_heads, head_dim, attention.segment_lengths, attention.dilation_rates, attention.mode,
+                attention.head_offsets, validation.check_scale(attention.softmax_scale, head_dim))
+        theirs = (cache.shape[1], cache.shape[2], cache.segment_lengths, cache.dilation_rates, cache.mode,
+                  cache.head_offsets, cache.softmax_scale)
+        if mine != theirs:
+            raise ValueError(
+                f"the cache was built for (heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets, "
+                f"softmax_scale) = {theirs}, this module has {mine}: make it with this module's new_cache"
+            )
+
     def forward(
         self,
         query: torch.Tensor,
@@ -193,6 +252,9 @@ class MultiheadDilatedAttention(nn.Module):
         need_weights: bool = False,
         is_causal: bool = False,
         process_group=None,
+        *,
+        positions: Optional[torch.Tensor] = None,
+        cache: Optional[DilatedKVCache] = None,
     ) -> tuple[torch.Tensor, None]:
         """``query`` (and ``key``, ``value``, which default to it) ``(B, N, embed_dim)``
         (``(N, B, embed_dim)`` with ``batch_first=False``) -> ``(output, None)`` in the
@@ -203,7 +265,16 @@ class MultiheadDilatedAttention(nn.Module):
         projections and the LayerNorm act per token, so the output is this rank's
         shard of the single-process output. Parameter gradients are this shard's
         part: sum them over ranks (as DistributedDataParallel does) for the
-        single-process gradients."""
+        single-process gradients.
+
+        ``positions``: the absolute positions of the rows, ``(N,)`` or ``(B, N)`` ints,
+        for ``rotary``; by default ``0 .. N-1``, this shard's with ``process_group``,
+        the cache's next ones with ``cache``.
+
+        ``cache``: a :class:`dilated_attention.DilatedKVCache` from :meth:`new_cache`
+        (needs ``is_causal=True``, no mask, no dropout): the rows are the next ``N``
+        positions of its sequences; their keys and values are appended to it.
+        """
         if need_weights:
             raise ValueError(
                 "need_weights=True is not supported: dilated attention never forms the "
@@ -236,13 +307,22 @@ class MultiheadDilatedAttention(nn.Module):
                 f"{tuple(mask.shape)}; the query was read as {dims}embed_dim) (batch_first="
                 f"{self.batch_first}): is that its layout?"
             )
+        if cache is not None:
+            self._check_cache(cache, is_causal, key_padding_mask, process_group)
         heads = (self.num_heads, self.embed_dim // self.num_heads)
         q = self.q_proj(query).unflatten(-1, heads)
         k = self.k_proj(key).unflatten(-1, heads)
         v = self.v_proj(value).unflatten(-1, heads)
-        x = self.attention(
-            q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, process_group=process_group
-        ).flatten(-2)
+        if self.rotary is not None:
+            if positions is None:
+                positions = sequence_positions(query.shape[1], query.device, cache, process_group)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if cache is not None:
+            x = cache.attend(q, k, v)
+        else:
+            x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
+                               process_group=process_group)
+        x = x.flatten(-2)
         if self.norm is not None:
             x = self.norm(x)
         out = self.out_proj(x)

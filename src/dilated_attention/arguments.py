@@ -1,0 +1,24 @@
+"""argparse types shared by the command-line commands."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def number(kind, low: float, inclusive: bool = True):
+    """An argparse type: a finite ``kind`` (``int`` or ``float``) ``>= low`` (``> low``
+    unless ``inclusive``)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or not (value >= low if inclusive else value > low):
+            what = "" if kind is int else "a number "
+            raise argparse.ArgumentTypeError(f"must be {what}{'>=' if inclusive else '>'} {low}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = number(int, 1)
+positive_float = number(float, 0, inclusive=False)

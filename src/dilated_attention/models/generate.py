@@ -1,0 +1,87 @@
+"""Sampling from a :class:`LongNetLM` through its cache: memory bounded by the longest
+segment, however long the text grows."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Iterator, Optional
+
+import torch
+
+from .. import validation
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0: the likeliest token), got {temperature!r}")
+    if top_k is not None:
+        validation.check_positive_int(top_k, "top_k")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
+                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """``logits`` ``(B, V)`` -> ``(B,)`` token ids: the likeliest with ``temperature=0``,
+    else drawn from ``softmax(logits / temperature)`` kept to the ``top_k`` likeliest
+    tokens and to the smallest set whose probability reaches ``top_p``."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probabilities = ordered.softmax(-1)
+        likelier = probabilities.cumsum(-1) - probabilities  # the probability of the tokens before each
+        drop_sorted = likelier >= top_p
+        logits = logits.masked_fill(torch.empty_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
+    probabilities = logits.softmax(-1)
+    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def stream(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+           top_k: Optional[int] = None, top_p: Optional[float] = None,
+           generator: Optional[torch.Generator] = None, cache=None) -> Iterator[torch.Tensor]:
+    """Yield ``max_new_tokens`` tokens ``(B,)``, one step at a time, after ``prompt``
+    (``(P,)`` or ``(B, P)``, ``P >= 1``). The prompt is fed in chunks of the longest
+    segment, each new token alone, all through one cache (``cache``, or a new one), in
+    eval mode (the model's mode is restored afterwards)."""
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if not isinstance(prompt, torch.Tensor):
+        raise TypeError(f"prompt must be a tensor of token ids, got {validation.type_name(prompt)}")
+    tokens = prompt.unsqueeze(0) if prompt.dim() == 1 else prompt
+    if tokens.dim() != 2 or tokens.shape[1] < 1:
+        raise ValueError(f"prompt must be token ids of shape (P,) or (batch, P) with P >= 1, got {tuple(prompt.shape)}")
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        cache = model.new_cache(tokens.shape[0]) if cache is None else cache
+        chunk = model.config.max_segment
+        for start in range(0, tokens.shape[1], chunk):
+            logits = model(tokens[:, start : start + chunk], cache=cache)
+        for step in range(max_new_tokens):
+            token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
+            yield token
+            if step + 1 < max_new_tokens:
+                logits = model(token[:, None], cache=cache)
+    finally:
+        model.train(was_training)
+
+
+def generate(model, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+    """``prompt`` (``(P,)`` or ``(B, P)``) followed by ``max_new_tokens`` sampled tokens,
+    in the prompt's shape; ``sampling``: ``temperature``, ``top_k``, ``top_p``,
+    ``generator``, ``cache`` (see :func:`stream`)."""
+    new = list(stream(model, prompt, max_new_tokens, **sampling))
+    batch = prompt if prompt.dim() == 2 else prompt.unsqueeze(0)
+    out = torch.cat([batch.to(new[0].device if new else batch.device)] + [t[:, None] for t in new], dim=1)
+    return out if prompt.dim() == 2 else out.squeeze(0)

@@ -1,0 +1,195 @@
+"""``LongNetLM``: a decoder-only Transformer whose self-attention is dilated attention.
+
+The LongNet paper's model (Ding et al. 2023) on the MAGNETO backbone (Wang et al.
+2022): pre-norm blocks, each ``x + attention(LN(x))`` then ``x + ffn(LN(x))``, with an
+extra LayerNorm inside both branches (sub-LN: before the attention's output projection
+and before the feed-forward's second linear layer), and a final LayerNorm before the
+LM head.
+
+Initialisation (MAGNETO for a decoder of ``depth`` layers, ``gamma = sqrt(log(2 *
+depth))``): ``q_proj``, ``k_proj`` Xavier-normal with gain 1; ``v_proj``, ``out_proj``
+and both feed-forward layers Xavier-normal with gain ``gamma``; biases 0; token
+embeddings normal with std ``dim ** -0.5``, multiplied by ``sqrt(dim)`` on input (so
+a tied LM head starts with logits of unit scale).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .. import validation
+from ..cache import DilatedKVCache
+from ..modules import MultiheadDilatedAttention, sequence_positions
+from ..rotary import RotaryEmbedding
+from .config import LongNetConfig
+
+
+class FeedForward(nn.Module):
+    """``fc2(LN(gelu(fc1(x))))``: ``(..., dim) -> (..., dim)`` through ``ffn_dim``."""
+
+    def __init__(self, config: LongNetConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.dim, config.ffn_dim)
+        self.norm = nn.LayerNorm(config.ffn_dim, eps=config.layer_norm_eps)
+        self.fc2 = nn.Linear(config.ffn_dim, config.dim)
+        for layer in (self.fc1, self.fc2):
+            nn.init.xavier_normal_(layer.weight, gain=config.gamma)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(F.gelu(self.fc1(x))))
+
+
+class LongNetBlock(nn.Module):
+    """One pre-norm layer: causal multi-head dilated attention, then the feed-forward."""
+
+    def __init__(self, config: LongNetConfig):
+        super().__init__()
+        rotary = RotaryEmbedding(config.head_dim, config.rotary_base) if config.positions == "rotary" else None
+        self.attention_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.attention = MultiheadDilatedAttention(
+            config.dim, config.heads, config.segment_lengths, config.dilation_rates, mode=config.mode,
+            head_offsets=config.head_offsets, dropout=config.dropout, layer_norm_eps=config.layer_norm_eps,
+            gamma_init=config.gamma, rotary=rotary,
+        )
+        self.ffn_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.ffn = FeedForward(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, positions, cache: Optional[DilatedKVCache] = None, process_group=None) -> torch.Tensor:
+        y, _ = self.attention(
+            self.attention_norm(x), is_causal=True, positions=positions, cache=cache, process_group=process_group
+        )
+        x = x + self.dropout(y)
+        return x + self.dropout(self.ffn(self.ffn_norm(x)))
+
+
+class LongNetCache:
+    """One :class:`dilated_attention.DilatedKVCache` per layer of a :class:`LongNetLM`, for
+    feeding it a few tokens at a time. Its memory stays below ``2 * depth * 4 *
+    (max(segment_lengths) + L) * dim`` elements for chunks of ``L`` tokens, however
+    many tokens pass through."""
+
+    def __init__(self, layers: list[DilatedKVCache]):
+        self.layers = layers
+
+    @property
+    def position(self) -> torch.Tensor:
+        """``(B,)`` int64: the position of each sequence's next token."""
+        return self.layers[0].position
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's key and value buffers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def reorder(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (``(B',)`` ints), in that order (beam search)."""
+        for layer in self.layers:
+            layer.reorder(indices)
+
+    def reset(self, start=0) -> None:
+        """Forget every token; the sequences start anew at ``start``."""
+        for layer in self.layers:
+            layer.reset(start)
+
+
+class LongNetLM(nn.Module):
+    """A LongNet language model: ``tokens`` ``(B, N)`` -> next-token logits ``(B, N, vocab_size)``.
+
+    ``model(tokens)`` runs whole sequences (positions ``0 .. N-1``);
+    ``model(tokens, cache=cache)`` with ``cache = model.new_cache(B)`` feeds the next
+    tokens of ``B`` sequences (one or many per call) and gives, position for position,
+    the logits of the whole-sequence call; ``model(shard, process_group=group)`` runs
+    this rank's contiguous shard of each sequence (sequence parallelism) and gives
+    that shard of the logits.
+
+    ``gradient_checkpointing = True``: in training, each block's activations are
+    recomputed in backward instead of kept (less memory, about a third more compute).
+    """
+
+    def __init__(self, config: LongNetConfig):
+        super().__init__()
+        if not isinstance(config, LongNetConfig):
+            raise TypeError(f"config must be a LongNetConfig, got {validation.type_name(config)}")
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.dim)
+        nn.init.normal_(self.embedding.weight, std=config.dim**-0.5)
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(LongNetBlock(config) for _ in range(config.depth))
+        self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        if config.tie_embeddings:
+            self.head.weight = self.embedding.weight
+        else:
+            nn.init.normal_(self.head.weight, std=config.dim**-0.5)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(self, batch_size: int, *, start=0, dtype=None, device=None) -> LongNetCache:
+        """An empty cache for ``batch_size`` sequences (dtype and device: the parameters'
+        by default; ``start``: see :class:`dilated_attention.DilatedKVCache`)."""
+        return LongNetCache(
+            [block.attention.new_cache(batch_size, start=start, dtype=dtype, device=device) for block in self.blocks]
+        )
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        cache: Optional[LongNetCache] = None,
+        process_group=None,
+        positions: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """``tokens`` ``(B, N)`` ints in ``[0, vocab_size)`` -> logits ``(B, N, vocab_size)``
+        (float32, or the parameters' dtype).
+
+        ``cache``: a :meth:`new_cache` cache; ``tokens`` are the next ``N`` of its
+        sequences. ``process_group``: ``tokens`` are this rank's contiguous shard of
+        each sequence. ``positions``: the tokens' absolute positions (``(N,)`` or
+        ``(B, N)``), which the cache or the shard otherwise supply.
+        """
+        self._check_tokens(tokens)
+        if cache is not None and not isinstance(cache, LongNetCache):
+            raise TypeError(f"cache must come from model.new_cache, got {validation.type_name(cache)}")
+        if cache is not None and len(cache.layers) != len(self.blocks):
+            raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.blocks)}")
+        if positions is None:
+            positions = sequence_positions(tokens.shape[1], tokens.device, cache, process_group)
+        x = self.dropout(self.embedding(tokens) * math.sqrt(self.config.dim))
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None
+        for i, block in enumerate(self.blocks):
+            if recompute:
+                x = checkpoint(block, x, positions, None, process_group, use_reentrant=False)
+            else:
+                x = block(x, positions, None if cache is None else cache.layers[i], process_group)
+        return self.head(self.norm(x))
+
+    def _check_tokens(self, tokens) -> None:
+        if not isinstance(tokens, torch.Tensor):
+            raise TypeError(f"tokens must be a torch.Tensor of token ids, got {validation.type_name(tokens)}")
+        if tokens.dim() != 2 or tokens.shape[1] < 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(
+                f"tokens must be integer token ids of shape (batch, seq_len >= 1), got {tokens.dtype} of shape "
+                f"{tuple(tokens.shape)}"
+            )
+        if tokens.numel() and not bool(((tokens >= 0) & (tokens < self.config.vocab_size)).all()):
+            raise ValueError(
+                f"token ids must lie in [0, vocab_size={self.config.vocab_size}), got values from "
+                f"{int(tokens.min())} to {int(tokens.max())}"
+            )
+
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+        """``prompt`` ``(P,)`` or ``(B, P)`` followed by ``max_new_tokens`` sampled tokens;
+        see :func:`dilated_attention.models.generate`."""
+        from .generate import generate
+
+        return generate(self, prompt, max_new_tokens, **sampling)

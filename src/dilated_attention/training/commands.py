@@ -1,0 +1,181 @@
+"""``dilated-attention train`` and ``dilated-attention generate``."""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+from ..arguments import number
+from ..models import PRESETS, LongNetConfig
+from . import checkpoint
+from .trainer import AUTOCAST_DTYPES, TrainSettings, load_model, read_run_config, train
+
+RUNS = "runs"
+
+
+# The settings the command line sets, by option: (field, type, help).
+_SETTINGS = [
+    ("--context", "context", number(int, 1), "tokens (bytes) per training sequence"),
+    ("--batch-size", "batch_size", number(int, 1), "sequences per step, over all processes"),
+    ("--steps", "steps", number(int, 1), "total optimizer steps, also when resuming (the schedule's length)"),
+    ("--minutes", "minutes", number(float, 0, False), "stop after this much training time; resume later"),
+    ("--lr", "lr", number(float, 0, False), "peak learning rate"),
+    ("--warmup-steps", "warmup_steps", number(int, 0), "steps of linear warmup, then a cosine to lr/10"),
+    ("--weight-decay", "weight_decay", number(float, 0), "AdamW weight decay on matrices"),
+    ("--grad-clip", "grad_clip", number(float, 0), "clip the gradient norm to this"),
+    ("--seed", "seed", int, "seed of the initialisation, the batches and dropout"),
+    ("--eval-interval", "eval_interval", number(int, 1), "steps between validation losses"),
+    ("--eval-windows", "eval_windows", number(int, 1), "validation sequences per evaluation"),
+    ("--checkpoint-interval", "checkpoint_interval", number(int, 1), "steps between checkpoints"),
+]
+
+
+def add_train(sub, add_command) -> None:
+    p = add_command(
+        sub, "train", "Train a LongNet language model on bytes (resumable).",
+        "Train a decoder-only LongNet (causal dilated attention) on UTF-8 text as bytes: by default on the "
+        "Python standard library's own sources. Writes config.json, log.jsonl, loss.png and checkpoint.pt "
+        "into the run folder. Under torchrun the processes split each step (data parallel, or "
+        "--sequence-parallel). Ctrl-C stops after the current step with a checkpoint.",
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--out", help=f"the run folder (default: a new folder under {RUNS}/)")
+    where.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue this run exactly where its checkpoint left it (default: start a new run)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: tiny)")
+    model.add_argument("--config", metavar="JSON", help="a LongNetConfig as a JSON file, instead of --preset (default: the preset)")
+    p.add_argument("--data", help="a UTF-8 text file or a folder of them (default: the standard library's sources)")
+    defaults = TrainSettings()
+    for option, name, kind, text in _SETTINGS:
+        shown = getattr(defaults, name)
+        p.add_argument(option, dest=name, type=kind, help=f"{text} (default: {'no limit' if shown is None else shown})")
+    p.add_argument("--dtype", choices=sorted(AUTOCAST_DTYPES), help="compute dtype; bfloat16 runs under autocast, "
+                   f"on CPU too (default: {defaults.dtype})")
+    p.add_argument("--grad-checkpointing", action="store_true", default=None,
+                   help="recompute each block's activations in backward: less memory (default: off)")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="under torchrun, split every sequence across the processes instead of the batch "
+                   "(default: off, data parallel)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: a progress bar)")
+    p.set_defaults(run=_cmd_train)
+
+
+def _given_settings(args) -> dict:
+    names = [name for _, name, _, _ in _SETTINGS] + ["dtype", "grad_checkpointing", "sequence_parallel", "data"]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _cmd_train(args) -> int:
+    given = _given_settings(args)
+    if args.resume:
+        if args.preset or args.config:
+            raise ValueError("a resumed run keeps its model: drop --preset/--config")
+        _, saved = read_run_config(args.resume)
+        run_dir, config, settings = args.resume, None, dataclasses.replace(saved, **given)
+    else:
+        config = _model_config(args)
+        settings = TrainSettings(**given)
+        run_dir = args.out or os.path.join(RUNS, time.strftime("%Y%m%d-%H%M%S"))
+    summary = train(run_dir, settings, config, resume=bool(args.resume), device=args.device,
+                    progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _report(summary)
+    return 130 if summary["stopped"] == "interrupted" else 0
+
+
+def _model_config(args) -> LongNetConfig:
+    if args.config is None:
+        return LongNetConfig.preset(args.preset or "tiny")
+    try:
+        with open(args.config, encoding="utf-8") as f:
+            return LongNetConfig.from_json(f.read())
+    except OSError as exc:
+        raise ValueError(f"--config {args.config}: {exc.strerror}") from None
+
+
+def _report(summary: dict) -> None:
+    from .trainer import read_log
+
+    records = read_log(summary["run_dir"])
+    evaluated = [r for r in records if "val_bpb" in r]
+    first, last = records[0], records[-1]
+    print(f"trained {summary['parameters']:,} parameters on {summary['corpus']}")
+    print(f"step {summary['step']}/{summary['steps']} ({summary['stopped']}) in {summary['elapsed_s']:.0f} s: "
+          f"training loss {first['bpb']:.2f} -> {last['bpb']:.2f} bits per byte"
+          + (f", validation {evaluated[-1]['val_bpb']:.2f}" if evaluated else ""))
+    print(f"run folder: {summary['run_dir']} (log.jsonl, loss.png, checkpoint.pt)")
+    if summary["stopped"] != "done":
+        print(f"continue with: dilated-attention train --resume {summary['run_dir']}")
+
+
+def add_generate(sub, add_command) -> None:
+    p = add_command(
+        sub, "generate", "Sample text from a trained run, streaming it.",
+        "Sample text from the latest checkpoint of a run folder through the model's cache (memory "
+        "bounded by the longest segment, however long the text), print it as it comes, then the "
+        "speed and the cache's size.",
+    )
+    p.add_argument("--run", dest="run_dir", metavar="RUN_DIR", help=f"the run folder (default: the newest under {RUNS}/)")
+    p.add_argument("--prompt", required=True, help="the text to continue (required)")
+    p.add_argument("--max-new-tokens", type=number(int, 0), default=200, help="bytes to sample (default: 200)")
+    p.add_argument("--temperature", type=number(float, 0), default=0.8,
+                   help="sampling temperature; 0 always takes the likeliest byte (default: 0.8)")
+    p.add_argument("--top-k", type=number(int, 1), help="sample among the k likeliest bytes (default: all)")
+    p.add_argument("--top-p", type=number(float, 0, False), default=0.95,
+                   help="sample among the likeliest bytes whose probability reaches p (default: 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
+    p.set_defaults(run=_cmd_generate)
+
+
+def newest_run(root: str = RUNS) -> str:
+    """The run folder under ``root`` whose checkpoint was written last."""
+    runs = [os.path.join(root, d) for d in os.listdir(root)] if os.path.isdir(root) else []
+    runs = [d for d in runs if os.path.isfile(os.path.join(d, checkpoint.CHECKPOINT))]
+    if not runs:
+        raise ValueError(f"no trained run under {root}/: train one first (dilated-attention train), or pass --run")
+    return max(runs, key=lambda d: os.path.getmtime(os.path.join(d, checkpoint.CHECKPOINT)))
+
+
+def _cmd_generate(args) -> int:
+    from ..models import stream
+
+    if args.top_p is not None and args.top_p > 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch.cuda.is_available() is False: use --device cpu")
+    run_dir = args.run_dir or newest_run()
+    model = load_model(run_dir, device)
+    if model.config.vocab_size < 256:
+        raise ValueError(f"generate encodes text as bytes, but {run_dir}'s model has vocab_size "
+                         f"{model.config.vocab_size} < 256")
+    prompt = torch.tensor(list(args.prompt.encode("utf-8")), dtype=torch.long)
+    if not len(prompt):
+        raise ValueError("--prompt must not be empty: give at least one character to continue")
+    cache = model.new_cache(1)
+    generator = torch.Generator(device).manual_seed(args.seed)
+    print(f"[{run_dir}]", file=sys.stderr)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(args.prompt)
+    started, count = time.perf_counter(), 0
+    for token in stream(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, generator=generator, cache=cache):
+        sys.stdout.write(decoder.decode(bytes([int(token)])))
+        sys.stdout.flush()
+        count += 1
+    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    seconds = time.perf_counter() - started
+    bound = 2 * model.config.depth * 4 * (model.config.max_segment + 1) * model.config.dim
+    print(f"{count} tokens in {seconds:.2f} s ({count / max(seconds, 1e-9):.1f} tokens/s, prompt included in the "
+          f"time); cache {cache.nbytes / 2**10:.0f} KiB (stays below "
+          f"{bound * model.embedding.weight.element_size() / 2**10:.0f} KiB however long the text)",
+          file=sys.stderr)
+    return 0

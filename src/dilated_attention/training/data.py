@@ -1,0 +1,129 @@
+"""Training text as bytes: the default corpus, a user's files, the split, the batches.
+
+Tokens are bytes (vocabulary 256), so no tokenizer is needed. The default corpus is
+the Python standard library's own ``.py`` sources, read from the running
+interpreter (about 11 MB on CPython 3.11), so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# Folders of the standard library left out of the default corpus: third-party
+# packages, and the test suites (large, and full of deliberately odd text).
+_SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+# The split: the byte stream is cut into blocks of this many bytes; every
+# VALIDATION_EVERY-th block is validation text, the others training text.
+BLOCK_BYTES = 32 * 1024
+VALIDATION_EVERY = 20
+
+
+@dataclass
+class Corpus:
+    """``train``, ``validation``: uint8 ``(bytes,)``; ``source``: where the text came from."""
+
+    train: torch.Tensor
+    validation: torch.Tensor
+    source: str
+    files: int
+
+
+def _files_under(folder: str, suffix: str = "", skipped=frozenset()) -> list[str]:
+    """Every file under ``folder`` (hidden ones and ``skipped`` folders left out), sorted."""
+    found = []
+    for parent, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in skipped)
+        found += [os.path.join(parent, f) for f in sorted(files) if f.endswith(suffix) and not f.startswith(".")]
+    return found
+
+
+def _read_utf8(path: str, strict: bool) -> Optional[bytes]:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if not strict:
+            return None
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); train on UTF-8 "
+            "text files only: convert it (e.g. iconv -t UTF-8) or move it out of the data folder"
+        ) from None
+    return data
+
+
+def load_corpus(path: Optional[str] = None) -> Corpus:
+    """The text of ``path`` (a UTF-8 file, or a folder: all its files, recursively, in
+    sorted order), or by default the standard library's ``.py`` sources (files that
+    are not UTF-8 left out), split into training and validation bytes."""
+    if path is None:
+        root = sysconfig.get_paths()["stdlib"]
+        files = _files_under(root, ".py", _SKIPPED_FOLDERS)
+        parts = [p for p in (_read_utf8(f, strict=False) for f in files) if p]
+        source = f"the Python standard library's .py files under {root}"
+    else:
+        if not os.path.exists(path):
+            raise ValueError(f"--data {path}: no such file or folder")
+        files = _files_under(path) if os.path.isdir(path) else [path]
+        if not files:
+            raise ValueError(f"--data {path}: the folder holds no files (hidden files are skipped)")
+        parts = [_read_utf8(f, strict=True) for f in files]
+        source = path
+    text = b"\n".join(parts)
+    if not text.strip():
+        raise ValueError(f"{source} holds no text: give a file or folder with UTF-8 text in it")
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    train, validation = split(data)
+    return Corpus(train, validation, source, len(files))
+
+
+def split(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of ``BLOCK_BYTES`` (fewer for short texts, so that validation gets one
+    block in ``VALIDATION_EVERY``): every ``VALIDATION_EVERY``-th is validation."""
+    block = max(1, min(BLOCK_BYTES, len(data) // VALIDATION_EVERY))
+    index = torch.arange(len(data)) // block
+    is_validation = index % VALIDATION_EVERY == VALIDATION_EVERY - 1
+    return data[~is_validation], data[is_validation]
+
+
+def check_long_enough(corpus: Corpus, context: int) -> None:
+    for name, part in (("training", corpus.train), ("validation", corpus.validation)):
+        if len(part) < context + 1:
+            raise ValueError(
+                f"the {name} split of {corpus.source} has {len(part)} bytes, fewer than context + 1 = "
+                f"{context + 1}: use more text or a shorter --context"
+            )
+
+
+class Batches:
+    """Random windows of ``context + 1`` bytes from ``data``: ``next()`` gives inputs
+    and next-byte targets, int64 ``(batch_size, context)`` each. The windows depend
+    only on ``seed`` and on how many batches came before, which ``state_dict`` keeps."""
+
+    def __init__(self, data: torch.Tensor, context: int, batch_size: int, seed: int):
+        self.data, self.context, self.batch_size = data, context, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(self.data) - self.context, (self.batch_size,), generator=self.generator)
+        windows = self.data[starts[:, None] + torch.arange(self.context + 1)].long()
+        return windows[:, :-1], windows[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def evaluation_windows(data: torch.Tensor, context: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` windows spread evenly over ``data`` (always the same ones): inputs and
+    targets, int64 ``(count, context)``."""
+    starts = torch.linspace(0, len(data) - context - 1, count).long()
+    windows = data[starts[:, None] + torch.arange(context + 1)].long()
+    return windows[:, :-1], windows[:, 1:]

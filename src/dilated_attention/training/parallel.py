@@ -1,0 +1,100 @@
+"""How a training step is split across processes started by ``torchrun``.
+
+- one process: the whole batch;
+- data parallel (the default with several processes): rank ``k`` takes the ``k``-th
+  slice of the batch's sequences, and ``DistributedDataParallel`` averages gradients;
+- sequence parallel: every rank takes the ``k``-th contiguous shard of every
+  sequence, the model's attention exchanges rows through ``process_group``, and the
+  gradients (each rank's part of the sum) are summed.
+
+Either way a step computes the same loss and gradients as one process given the same
+global batch, up to float rounding.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Parallel:
+    """This process's place: ``rank`` of ``world``, ``mode`` ``"single"``, ``"data"`` or ``"sequence"``."""
+
+    rank: int = 0
+    world: int = 1
+    mode: str = "single"
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def group(self):
+        return dist.group.WORLD if self.mode == "sequence" else None
+
+    def part(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows (data parallel) or positions (sequence parallel) of ``(B, N)`` tensors."""
+        dim = {"single": None, "data": 0, "sequence": 1}[self.mode]
+        if dim is not None:
+            inputs, targets = (t.tensor_split(self.world, dim=dim)[self.rank] for t in (inputs, targets))
+        return inputs.to(self.device), targets.to(self.device)
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over ranks (itself with one process)."""
+        if self.world > 1:
+            value = value.clone()
+            dist.all_reduce(value)
+        return value
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module to call in training: ``DistributedDataParallel`` for data parallel."""
+        if self.mode != "data":
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def loss_weight(self, global_count: int) -> float:
+        """The factor on a rank's summed loss whose gradient, after DDP's average or the
+        sequence-parallel sum, is the gradient of the global mean loss."""
+        return (self.world if self.mode == "data" else 1) / global_count
+
+    def finish_gradients(self, model: torch.nn.Module) -> None:
+        """Sequence parallel: sum the ranks' parts of every gradient."""
+        if self.mode != "sequence" or self.world == 1:
+            return
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
+def setup(sequence_parallel: bool, device: Optional[str]) -> Parallel:
+    """Join the process group ``torchrun`` describes in the environment (if any), and
+    pick this rank's device (``cuda:LOCAL_RANK`` on GPUs)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch.cuda.is_available() is False: use --device cpu")
+    if world == 1:
+        if sequence_parallel:
+            raise ValueError("--sequence-parallel needs several processes: launch with torchrun --nproc-per-node N")
+        return Parallel(device=torch.device(device_type))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
+    return Parallel(rank=rank, world=world, mode="sequence" if sequence_parallel else "data", device=dev)

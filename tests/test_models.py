@@ -1,0 +1,233 @@
+"""LongNetLM: whole sequences, chunks through the cache, sampling, configuration."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilated_attention import MultiheadDilatedAttention
+from dilated_attention.models import LongNetConfig, LongNetLM, sample_next
+from dilated_attention.models.config import PRESETS
+from dilated_attention.plan import HEAD_OFFSETS, MODES
+from dilated_attention.rotary import RotaryEmbedding
+
+
+def small_config(**changes):
+    base = dict(vocab_size=37, dim=24, depth=2, heads=4, ffn_dim=40, segment_lengths=(4, 8, 16),
+                dilation_rates=(1, 2, 3))
+    return LongNetConfig(**{**base, **changes})
+
+
+def relative_error(a, b):
+    return float((a - b).abs().max() / b.abs().max()) if b.numel() else 0.0
+
+
+@st.composite
+def model_cases(draw):
+    branches = draw(st.integers(1, 3))
+    mode = draw(st.sampled_from(MODES))
+    heads = draw(st.sampled_from([3, 4] if mode == "head_groups" else [1, 2, 4]))
+    length = draw(st.integers(1, 90))
+    chunks, left = [], length
+    while left:
+        chunks.append(draw(st.integers(1, left)))
+        left -= chunks[-1]
+    return dict(
+        config=dict(
+            heads=heads, dim=heads * 6, mode=mode, head_offsets=draw(st.sampled_from(HEAD_OFFSETS)),
+            segment_lengths=tuple(draw(st.lists(st.integers(1, 24), min_size=branches, max_size=branches))),
+            dilation_rates=tuple(draw(st.lists(st.integers(1, 4), min_size=branches, max_size=branches))),
+            positions=draw(st.sampled_from(["rotary", "none"])),
+        ),
+        batch=draw(st.integers(1, 2)), chunks=chunks, seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@settings(max_examples=100)
+@given(model_cases())
+def test_cached_chunks_give_the_logits_of_one_full_forward(case):
+    torch.manual_seed(case["seed"])
+    model = LongNetLM(small_config(**case["config"])).double().eval()
+    tokens = torch.randint(0, 37, (case["batch"], sum(case["chunks"])))
+    with torch.no_grad():
+        full = model(tokens)
+    cache, parts, start = model.new_cache(case["batch"]), [], 0
+    for size in case["chunks"]:
+        with torch.no_grad():
+            parts.append(model(tokens[:, start : start + size], cache=cache))
+        start += size
+    assert torch.equal(cache.position, torch.full((case["batch"],), start))
+    assert relative_error(torch.cat(parts, 1), full) <= 1e-9
+
+
+def test_cache_memory_stays_bounded_over_many_segments():
+    config = small_config()
+    model = LongNetLM(config).eval()
+    cache = model.new_cache(2)
+    bound = 2 * config.depth * 4 * (config.max_segment + 3) * config.dim * 4  # bytes, float32, chunks of 3
+    peak = 0
+    with torch.no_grad():
+        for _ in range(200):  # 600 positions: 37 times the longest segment
+            model(torch.randint(0, 37, (2, 3)), cache=cache)
+            peak = max(peak, cache.nbytes)
+    assert 0 < peak <= bound
+    assert cache.layers[0].cached_positions < config.max_segment
+
+
+@torch.no_grad()
+def test_left_padded_prompts_give_each_prompt_its_own_logits():
+    torch.manual_seed(1)
+    model = LongNetLM(small_config()).double().eval()
+    short, long = torch.randint(0, 37, (1, 5)), torch.randint(0, 37, (1, 11))
+    padded = torch.cat([torch.zeros(1, 6, dtype=torch.long), short], 1)
+    cache = model.new_cache(2, start=torch.tensor([-6, 0]))
+    with torch.no_grad():
+        logits = model(torch.cat([padded, long]), cache=cache)
+    assert relative_error(logits[0, 6:], model(short)[0]) <= 1e-9
+    assert relative_error(logits[1], model(long)[0]) <= 1e-9
+
+
+def test_greedy_generation_follows_the_full_forward_argmax():
+    torch.manual_seed(2)
+    model = LongNetLM(small_config()).double()
+    prompt = torch.randint(0, 37, (2, 9))
+    out = model.generate(prompt, 30, temperature=0)
+    assert out.shape == (2, 39) and torch.equal(out[:, :9], prompt)
+    with torch.no_grad():
+        expected = model.eval()(out[:, :-1]).argmax(-1)[:, 8:]
+    assert torch.equal(out[:, 9:], expected)
+    assert model.generate(prompt[0], 5, top_k=1).shape == (14,)
+    assert torch.equal(model.generate(prompt, 12, top_k=1), out[:, :21])
+
+
+def test_generation_restores_training_mode_and_repeats_with_a_seed():
+    model = LongNetLM(small_config(dropout=0.1))
+    prompt = torch.randint(0, 37, (7,))
+    first = model.generate(prompt, 20, generator=torch.Generator().manual_seed(5))
+    second = model.generate(prompt, 20, generator=torch.Generator().manual_seed(5))
+    assert model.training and torch.equal(first, second)
+
+
+def test_sampling_keeps_only_the_top_k_and_the_top_p_tokens():
+    probabilities = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probabilities.log()
+    gen = torch.Generator().manual_seed(0)
+    drawn = lambda **kw: {int(sample_next(logits, generator=gen, **kw)) for _ in range(300)}  # noqa: E731
+    assert drawn(top_k=2) == {0, 1}
+    assert drawn(top_p=0.5) == {0}
+    assert drawn(top_p=0.8) == {0, 1}
+    assert drawn(top_p=0.81) == {0, 1, 2}
+    assert drawn() == {0, 1, 2, 3}
+    assert int(sample_next(logits, temperature=0)) == 0
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(temperature=-1), "temperature must be a finite number >= 0"),
+    (dict(top_p=0), "top_p must be a number in (0, 1]"),
+    (dict(top_k=0), "top_k must be >= 1"),
+])
+def test_bad_sampling_options_are_refused(kwargs, fragment):
+    model = LongNetLM(small_config())
+    with pytest.raises((ValueError, TypeError), match=fragment.replace("(", r"\(").replace("]", r"\]")):
+        model.generate(torch.tensor([1, 2]), 3, **kwargs)
+
+
+def test_rotary_scores_depend_only_on_the_distance():
+    rotary = RotaryEmbedding(8)
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 1, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    def score(m, n):
+        return (rotary(q, torch.tensor([m])) * rotary(k, torch.tensor([n]))).sum(-1)
+    assert torch.allclose(score(7, 3), score(1_000_004, 1_000_000), rtol=0, atol=1e-9)
+    assert not torch.allclose(score(7, 3), score(7, 4))
+    x = torch.randn(2, 5, 2, 8, generator=gen)
+    per_row = rotary(x, torch.tensor([[0, 1, 2, 3, 4], [10, 11, 12, 13, 14]]))
+    assert torch.equal(per_row[1], rotary(x[1:], torch.arange(10, 15))[0])
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        RotaryEmbedding(7)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(4)
+    model = LongNetLM(small_config()).double()
+    tokens = torch.randint(0, 37, (2, 30))
+    grads = []
+    for recompute in (False, True):
+        model.gradient_checkpointing = recompute
+        model.zero_grad()
+        model(tokens).logsumexp(-1).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_magneto_initialisation_scales_with_depth():
+    config = small_config(depth=6, dim=64, heads=4, ffn_dim=256)
+    model = LongNetLM(config)
+    gamma = math.sqrt(math.log(12))
+    assert config.gamma == pytest.approx(gamma)
+    fc1 = model.blocks[0].ffn.fc1.weight
+    expected_std = gamma * math.sqrt(2 / (64 + 256))
+    assert float(fc1.detach().std()) == pytest.approx(expected_std, rel=0.1)
+    q = model.blocks[0].attention.q_proj.weight
+    assert float(q.detach().std()) == pytest.approx(math.sqrt(2 / 128), rel=0.1)
+    assert model.head.weight is model.embedding.weight
+
+
+def test_config_round_trips_through_json_and_presets_match_the_paper():
+    for name in PRESETS:
+        config = LongNetConfig.preset(name)
+        assert LongNetConfig.from_json(config.to_json()) == config
+    base = LongNetConfig.preset("paper_base")
+    assert (base.dim, base.depth, base.heads) == (768, 12, 12)
+    assert base.segment_lengths == (2048, 4096, 8192, 16384, 32768)
+    assert base.dilation_rates == (1, 2, 4, 6, 12)
+    assert LongNetConfig.preset("tiny", depth=3).depth == 3
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    (dict(dim=30, heads=4), "dim (30) must be divisible by heads (4)"),
+    (dict(dim=12, heads=4), "rotary positions need an even head dim"),
+    (dict(segment_lengths=(4, 8), dilation_rates=(1,)), "dilation_rates"),
+    (dict(mode="head_groups", heads=2), "head"),
+    (dict(positions="alibi"), "positions must be one of"),
+    (dict(depth=0), "depth must be >= 1"),
+])
+def test_bad_configs_are_refused(changes, fragment):
+    with pytest.raises((ValueError, TypeError), match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        small_config(**changes)
+
+
+def test_unknown_config_fields_and_presets_are_named():
+    with pytest.raises(ValueError, match=r"unknown LongNetConfig field\(s\) \['width'\]"):
+        LongNetConfig.from_dict({"width": 3})
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        LongNetConfig.preset("huge")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        LongNetConfig.from_json("{")
+
+
+@pytest.mark.parametrize("tokens,fragment", [
+    (torch.tensor([[1, 40]]), r"token ids must lie in \[0, vocab_size=37\)"),
+    (torch.rand(1, 3), "integer token ids of shape"),
+    (torch.tensor([1, 2]), "integer token ids of shape"),
+])
+def test_bad_tokens_are_refused(tokens, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        LongNetLM(small_config())(tokens)
+
+
+def test_the_multihead_module_checks_its_cache():
+    mha = MultiheadDilatedAttention(16, 2, [4, 8], [1, 2], rotary=RotaryEmbedding(8))
+    other = MultiheadDilatedAttention(16, 2, [4, 16], [1, 2])
+    x = torch.randn(1, 3, 16)
+    with pytest.raises(ValueError, match="pass is_causal=True"):
+        mha(x, cache=mha.new_cache(1))
+    with pytest.raises(ValueError, match="make it with this module's new_cache"):
+        mha(x, is_causal=True, cache=other.new_cache(1))
+    with pytest.raises(TypeError, match="cache must be a DilatedKVCache"):
+        mha(x, is_causal=True, cache=[])
+    with pytest.raises(TypeError, match="rotary must be a callable"):
+        MultiheadDilatedAttention(16, 2, [4], [1], rotary=3)
