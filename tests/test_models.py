@@ -211,8 +211,9 @@ def test_unknown_config_fields_and_presets_are_named():
 
 @pytest.mark.parametrize("tokens,fragment", [
     (torch.tensor([[1, 40]]), r"token ids must lie in \[0, vocab_size=37\)"),
-    (torch.rand(1, 3), "integer token ids of shape"),
-    (torch.tensor([1, 2]), "integer token ids of shape"),
+    (torch.rand(1, 3), "int64 \\(or int32\\) token ids of shape"),
+    (torch.tensor([[1, 2]], dtype=torch.uint8), "convert ids with .long"),
+    (torch.tensor([1, 2]), "token ids of shape \\(batch, seq_len >= 1\\)"),
 ])
 def test_bad_tokens_are_refused(tokens, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -231,3 +232,18 @@ def test_the_multihead_module_checks_its_cache():
         mha(x, is_causal=True, cache=[])
     with pytest.raises(TypeError, match="rotary must be a callable"):
         MultiheadDilatedAttention(16, 2, [4], [1], rotary=3)
+
+
+def test_sampling_survives_tiny_temperatures_and_refuses_nan_logits():
+    logits = torch.tensor([[3.0, 90.0, -5.0]])
+    assert int(sample_next(logits, temperature=1e-39)) == 1
+    with pytest.raises(ValueError, match="logits are not all finite"):
+        sample_next(torch.tensor([[0.0, float("nan")]]))
+
+
+def test_generation_under_autocast_uses_a_cache_of_the_autocast_dtype():
+    model = LongNetLM(small_config())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = model.new_cache(1)
+        out = model.generate(torch.tensor([1, 2, 3], dtype=torch.uint8), 4, temperature=0, cache=cache)
+    assert cache.layers[0].dtype == torch.bfloat16 and out.shape == (7,)

@@ -46,3 +46,12 @@ def test_decoding_snippet_runs():
     cache = namespace["cache"]
     assert cache.position.tolist() == [349, 349]
     assert cache.cached_positions < 8192
+
+
+def test_longnet_snippet_runs_and_its_chunks_match_the_whole():
+    torch.manual_seed(0)
+    namespace = {}
+    exec(compile(snippet("longnet"), "README longnet", "exec"), namespace)
+    logits, chunks = namespace["logits"], namespace["chunks"]
+    assert logits.shape == (2, 1000, 256) and namespace["text"].shape == (60,)
+    assert torch.allclose(torch.cat(chunks, 1), logits, rtol=1e-4, atol=1e-4)

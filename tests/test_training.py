@@ -60,6 +60,7 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path, text_f
     assert len(losses(whole)) == 8
     assert losses(parts) == losses(whole)
     assert [r.get("val_bpb") for r in read_log(parts)] == [r.get("val_bpb") for r in read_log(whole)]
+    assert [r["step"] for r in read_log(whole) if "val_bpb" in r] == [4, 8]
 
 
 def test_training_learns_and_writes_its_run_folder(tmp_path, text_file):
@@ -76,9 +77,13 @@ def test_training_learns_and_writes_its_run_folder(tmp_path, text_file):
 
 def test_a_time_budget_stops_with_a_checkpoint_that_resumes(tmp_path, text_file):
     run = str(tmp_path / "run")
-    summary = train(run, settings(text_file, steps=1000, minutes=1e-4), CONFIG, progress=False)
-    assert summary["stopped"] == "out of time" and 1 <= summary["step"] < 1000
-    assert checkpoint.load_checkpoint(run)["step"] == summary["step"]
+    summary = train(run, settings(text_file, steps=12, minutes=1e-6), CONFIG, progress=False)
+    assert summary["stopped"] == "out of time" and summary["step"] == 1
+    assert checkpoint.load_checkpoint(run)["step"] == 1
+    assert "val_bpb" in read_log(run)[-1]  # the budget's end is evaluated
+    assert train(run, resume=True, progress=False)["step"] == 12  # the limit was that invocation's
+    with pytest.raises(ValueError, match="has done 12 steps already"):
+        train(run, settings(text_file, steps=5, data=os.path.abspath(text_file)), resume=True, progress=False)
 
 
 def _launch(argv, processes):
@@ -93,8 +98,9 @@ def _launch(argv, processes):
 def test_two_processes_compute_the_losses_of_one(tmp_path, text_file, mode):
     config = tmp_path / "model.json"
     config.write_text(CONFIG.to_json())
+    windows = "1" if mode == "data" else "3"  # rank 1 evaluates no window, or fewer than rank 0
     common = ["--config", str(config), "--data", text_file, "--context", "63", "--batch-size", "4", "--steps", "5",
-              "--eval-interval", "5", "--eval-windows", "4", "--no-progress", "--device", "cpu"]
+              "--eval-interval", "5", "--eval-windows", windows, "--no-progress", "--device", "cpu"]
     _launch(common + ["--out", str(tmp_path / "one")], 1)
     _launch(common + ["--out", str(tmp_path / "two")] + (["--sequence-parallel"] if mode == "sequence" else []), 2)
     one, two = read_log(str(tmp_path / "one")), read_log(str(tmp_path / "two"))
@@ -102,6 +108,18 @@ def test_two_processes_compute_the_losses_of_one(tmp_path, text_file, mode):
     for a, b in zip(one, two):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     assert two[-1]["val_bpb"] == pytest.approx(one[-1]["val_bpb"], rel=1e-4)
+
+
+def test_sequence_parallel_with_dropout_resumes_exactly(tmp_path, text_file):
+    config = tmp_path / "model.json"
+    config.write_text(CONFIG.replace(dropout=0.2).to_json())
+    common = ["--config", str(config), "--data", text_file, "--context", "63", "--batch-size", "2", "--steps", "5",
+              "--no-progress", "--device", "cpu", "--sequence-parallel"]
+    _launch(common + ["--out", str(tmp_path / "whole")], 2)
+    _launch(common + ["--out", str(tmp_path / "parts"), "--minutes", "1e-9"], 2)  # stops after step 1
+    assert len(read_log(str(tmp_path / "parts"))) == 1
+    _launch(["--resume", str(tmp_path / "parts"), "--no-progress"], 2)
+    assert losses(str(tmp_path / "parts")) == losses(str(tmp_path / "whole"))
 
 
 def test_command_line_trains_then_generates(tmp_path, text_file, capsys, monkeypatch):
@@ -153,6 +171,18 @@ def test_bad_runs_and_data_give_clear_errors(tmp_path, text_file, capsys):
     assert "is shorter than the longest segment (256)" in _error(
         ["train", "--out", str(tmp_path / "c"), "--context", "100", "--data", text_file], capsys)
     assert "no trained run under runs/" in _error(["generate", "--prompt", "a"], capsys)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert f"--out {a_file} is a file" in _error(["train", "--out", str(a_file), "--data", text_file], capsys)
+    assert "is a folder with files in it" in _error(["train", "--out", str(empty), "--data", text_file], capsys)
+    config = tmp_path / "model.json"
+    config.write_text(CONFIG.replace(vocab_size=100).to_json())
+    assert "vocab_size must be 256, got 100" in _error(
+        ["train", "--out", str(tmp_path / "d"), "--config", str(config), "--data", text_file], capsys)
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(SystemExit):
+        main(["train", "--grad-clip", "0"])
+    assert "argument --grad-clip: must be a number > 0, got 0" in capsys.readouterr().err
 
 
 def test_a_damaged_checkpoint_or_a_changed_config_is_refused(tmp_path, text_file, capsys):
@@ -167,8 +197,10 @@ def test_a_damaged_checkpoint_or_a_changed_config_is_refused(tmp_path, text_file
     assert "is not a readable checkpoint" in _error(["generate", "--run", str(run), "--prompt", "a"], capsys)
 
 
-def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path, monkeypatch):
-    checkpoint.save_checkpoint(str(tmp_path), {"step": 1, "weights": torch.arange(5)})
+def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path, text_file, monkeypatch):
+    run = tmp_path / "run"
+    train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
+    before = (run / "checkpoint.pt").read_bytes()
 
     def failing_save(obj, f):
         f.write(b"partial")
@@ -176,10 +208,11 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path, monke
 
     monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(OSError, match="disk full"):
-        checkpoint.save_checkpoint(str(tmp_path), {"step": 2})
+        checkpoint.save_checkpoint(str(run), {"step": 3})
     monkeypatch.undo()
-    assert checkpoint.load_checkpoint(str(tmp_path))["step"] == 1
-    assert os.listdir(tmp_path) == ["checkpoint.pt"]
+    assert (run / "checkpoint.pt").read_bytes() == before
+    assert checkpoint.load_checkpoint(str(run))["step"] == 2
+    assert sorted(os.listdir(run)) == ["checkpoint.pt", "config.json", "log.jsonl", "loss.png"]
 
 
 def test_the_default_corpus_is_the_standard_library_and_the_split_is_fixed():

@@ -211,9 +211,12 @@ class MultiheadDilatedAttention(nn.Module):
 
     def new_cache(self, batch: int, *, start=0, dtype=None, device=None) -> DilatedKVCache:
         """An empty :class:`dilated_attention.DilatedKVCache` for ``batch`` sequences that
-        matches this module's heads and attention (dtype and device default to the
-        parameters'); see its ``start`` for left padding."""
+        matches this module's heads and attention; see its ``start`` for left padding.
+        ``dtype`` defaults to that of the projections' output (the autocast dtype
+        inside ``torch.autocast``, else the parameters'), ``device`` to the parameters'."""
         weight = self.q_proj.weight
+        if dtype is None and torch.is_autocast_enabled(weight.device.type):
+            dtype = torch.get_autocast_dtype(weight.device.type)
         attention = self.attention
         return DilatedKVCache(
             batch, self.num_heads, self.embed_dim // self.num_heads, attention.segment_lengths,

@@ -61,10 +61,10 @@ class LongNetConfig:
             raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim (dim / heads), got {self.head_dim}")
-        for name in ("rotary_base", "layer_norm_eps"):
+        for name, low in (("rotary_base", 1), ("layer_norm_eps", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > {low}, got {value!r}")
 
     @property
     def head_dim(self) -> int:

@@ -29,9 +29,11 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     else drawn from ``softmax(logits / temperature)`` kept to the ``top_k`` likeliest
     tokens and to the smallest set whose probability reaches ``top_p``."""
     logits = logits.float()
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError("the model's logits are not all finite (NaN or infinity): the weights have diverged")
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # the likeliest stays 0 however small T is
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -57,10 +59,11 @@ def stream(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: flo
     if not isinstance(prompt, torch.Tensor):
         raise TypeError(f"prompt must be a tensor of token ids, got {validation.type_name(prompt)}")
     tokens = prompt.unsqueeze(0) if prompt.dim() == 1 else prompt
-    if tokens.dim() != 2 or tokens.shape[1] < 1:
-        raise ValueError(f"prompt must be token ids of shape (P,) or (batch, P) with P >= 1, got {tuple(prompt.shape)}")
+    if tokens.dim() != 2 or tokens.shape[1] < 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise ValueError(f"prompt must be integer token ids of shape (P,) or (batch, P) with P >= 1, got "
+                         f"{prompt.dtype} of shape {tuple(prompt.shape)}")
     device = next(model.parameters()).device
-    tokens = tokens.to(device)
+    tokens = tokens.to(device, torch.long)
     was_training = model.training
     model.eval()
     try:

@@ -72,9 +72,9 @@ class LongNetBlock(nn.Module):
 
 class LongNetCache:
     """One :class:`dilated_attention.DilatedKVCache` per layer of a :class:`LongNetLM`, for
-    feeding it a few tokens at a time. Its memory stays below ``2 * depth * 4 *
-    (max(segment_lengths) + L) * dim`` elements for chunks of ``L`` tokens, however
-    many tokens pass through."""
+    feeding it a few tokens at a time. Its memory stays below ``2 * depth * B * 4 *
+    (max(segment_lengths) + L) * dim`` elements for ``B`` sequences fed chunks of ``L``
+    tokens, however many tokens pass through."""
 
     def __init__(self, layers: list[DilatedKVCache]):
         self.layers = layers
@@ -135,8 +135,9 @@ class LongNetLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def new_cache(self, batch_size: int, *, start=0, dtype=None, device=None) -> LongNetCache:
-        """An empty cache for ``batch_size`` sequences (dtype and device: the parameters'
-        by default; ``start``: see :class:`dilated_attention.DilatedKVCache`)."""
+        """An empty cache for ``batch_size`` sequences (dtype: by default that of the
+        projections, the autocast dtype inside ``torch.autocast``; device: the
+        parameters'; ``start``: see :class:`dilated_attention.DilatedKVCache`)."""
         return LongNetCache(
             [block.attention.new_cache(batch_size, start=start, dtype=dtype, device=device) for block in self.blocks]
         )
@@ -176,10 +177,10 @@ class LongNetLM(nn.Module):
     def _check_tokens(self, tokens) -> None:
         if not isinstance(tokens, torch.Tensor):
             raise TypeError(f"tokens must be a torch.Tensor of token ids, got {validation.type_name(tokens)}")
-        if tokens.dim() != 2 or tokens.shape[1] < 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        if tokens.dim() != 2 or tokens.shape[1] < 1 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(
-                f"tokens must be integer token ids of shape (batch, seq_len >= 1), got {tokens.dtype} of shape "
-                f"{tuple(tokens.shape)}"
+                f"tokens must be int64 (or int32) token ids of shape (batch, seq_len >= 1), got {tokens.dtype} of "
+                f"shape {tuple(tokens.shape)}: convert ids with .long()"
             )
         if tokens.numel() and not bool(((tokens >= 0) & (tokens < self.config.vocab_size)).all()):
             raise ValueError(

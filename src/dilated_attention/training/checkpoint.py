@@ -24,8 +24,12 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
     return path
 
 
-def load_checkpoint(run_dir: str, map_location="cpu") -> dict:
-    """The state saved in ``run_dir``, or a ``ValueError`` saying what is wrong with it."""
+KEYS = ("model", "optimizer", "scheduler", "data", "step", "elapsed_s", "model_config", "rng", "settings")
+
+
+def load_checkpoint(run_dir: str) -> dict:
+    """The state saved in ``run_dir`` (on the CPU, memory-mapped: what is not used is
+    not read), or a ``ValueError`` saying what is wrong with it."""
     path = os.path.join(run_dir, CHECKPOINT)
     if not os.path.isfile(path):
         raise ValueError(
@@ -33,10 +37,14 @@ def load_checkpoint(run_dir: str, map_location="cpu") -> dict:
             "wrote (its --out)"
         )
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {exc}); it is damaged or "
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {reason}); it is damaged or "
                          "was not written by dilated-attention train") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dilated-attention training checkpoint (format {FORMAT} expected)")
+    missing = [key for key in KEYS if key not in state]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}: it is damaged or was not written by dilated-attention train")
     return state

@@ -23,11 +23,12 @@ _SETTINGS = [
     ("--context", "context", number(int, 1), "tokens (bytes) per training sequence"),
     ("--batch-size", "batch_size", number(int, 1), "sequences per step, over all processes"),
     ("--steps", "steps", number(int, 1), "total optimizer steps, also when resuming (the schedule's length)"),
-    ("--minutes", "minutes", number(float, 0, False), "stop after this much training time; resume later"),
+    ("--minutes", "minutes", number(float, 0, False),
+     "stop after this much training time in this invocation (evaluation not counted); resume later"),
     ("--lr", "lr", number(float, 0, False), "peak learning rate"),
     ("--warmup-steps", "warmup_steps", number(int, 0), "steps of linear warmup, then a cosine to lr/10"),
     ("--weight-decay", "weight_decay", number(float, 0), "AdamW weight decay on matrices"),
-    ("--grad-clip", "grad_clip", number(float, 0), "clip the gradient norm to this"),
+    ("--grad-clip", "grad_clip", number(float, 0, False), "clip the gradient norm to this"),
     ("--seed", "seed", int, "seed of the initialisation, the batches and dropout"),
     ("--eval-interval", "eval_interval", number(int, 1), "steps between validation losses"),
     ("--eval-windows", "eval_windows", number(int, 1), "validation sequences per evaluation"),
@@ -53,8 +54,9 @@ def add_train(sub, add_command) -> None:
     p.add_argument("--data", help="a UTF-8 text file or a folder of them (default: the standard library's sources)")
     defaults = TrainSettings()
     for option, name, kind, text in _SETTINGS:
-        shown = getattr(defaults, name)
-        p.add_argument(option, dest=name, type=kind, help=f"{text} (default: {'no limit' if shown is None else shown})")
+        shown = {"minutes": "no limit", "context": f"{defaults.context}, or the longest segment if longer"}.get(
+            name, getattr(defaults, name))
+        p.add_argument(option, dest=name, type=kind, help=f"{text} (default: {shown})")
     p.add_argument("--dtype", choices=sorted(AUTOCAST_DTYPES), help="compute dtype; bfloat16 runs under autocast, "
                    f"on CPU too (default: {defaults.dtype})")
     p.add_argument("--grad-checkpointing", action="store_true", default=None,
@@ -78,16 +80,25 @@ def _cmd_train(args) -> int:
         if args.preset or args.config:
             raise ValueError("a resumed run keeps its model: drop --preset/--config")
         _, saved = read_run_config(args.resume)
-        run_dir, config, settings = args.resume, None, dataclasses.replace(saved, **given)
+        run_dir, config, settings = args.resume, None, dataclasses.replace(saved, minutes=None, **given)
     else:
         config = _model_config(args)
+        given.setdefault("context", max(TrainSettings.context, config.max_segment))
         settings = TrainSettings(**given)
         run_dir = args.out or os.path.join(RUNS, time.strftime("%Y%m%d-%H%M%S"))
     summary = train(run_dir, settings, config, resume=bool(args.resume), device=args.device,
                     progress=not args.no_progress)
     if int(os.environ.get("RANK", "0")) == 0:
         _report(summary)
-    return 130 if summary["stopped"] == "interrupted" else 0
+    code = 130 if summary["stopped"] == "interrupted" else 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # The process group is gone and everything is written. torch 2.13's gloo can
+        # abort ("terminate called without an active exception") at interpreter exit
+        # after that, which torchrun reports as a failure: end the process here.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _model_config(args) -> LongNetConfig:
@@ -105,11 +116,11 @@ def _report(summary: dict) -> None:
 
     records = read_log(summary["run_dir"])
     evaluated = [r for r in records if "val_bpb" in r]
-    first, last = records[0], records[-1]
     print(f"trained {summary['parameters']:,} parameters on {summary['corpus']}")
-    print(f"step {summary['step']}/{summary['steps']} ({summary['stopped']}) in {summary['elapsed_s']:.0f} s: "
-          f"training loss {first['bpb']:.2f} -> {last['bpb']:.2f} bits per byte"
-          + (f", validation {evaluated[-1]['val_bpb']:.2f}" if evaluated else ""))
+    losses = (f": training loss {records[0]['bpb']:.2f} -> {records[-1]['bpb']:.2f} bits per byte" if records
+              else " (no steps logged)")
+    print(f"step {summary['step']}/{summary['steps']} ({summary['stopped']}) in {summary['elapsed_s']:.0f} s of "
+          f"training{losses}" + (f", validation {evaluated[-1]['val_bpb']:.2f}" if evaluated else ""))
     print(f"run folder: {summary['run_dir']} (log.jsonl, loss.png, checkpoint.pt)")
     if summary["stopped"] != "done":
         print(f"continue with: dilated-attention train --resume {summary['run_dir']}")
@@ -154,9 +165,9 @@ def _cmd_generate(args) -> int:
         raise ValueError("--device cuda, but torch.cuda.is_available() is False: use --device cpu")
     run_dir = args.run_dir or newest_run()
     model = load_model(run_dir, device)
-    if model.config.vocab_size < 256:
-        raise ValueError(f"generate encodes text as bytes, but {run_dir}'s model has vocab_size "
-                         f"{model.config.vocab_size} < 256")
+    if model.config.vocab_size != 256:
+        raise ValueError(f"generate reads and writes text as bytes, but {run_dir}'s model has vocab_size "
+                         f"{model.config.vocab_size}, not 256")
     prompt = torch.tensor(list(args.prompt.encode("utf-8")), dtype=torch.long)
     if not len(prompt):
         raise ValueError("--prompt must not be empty: give at least one character to continue")

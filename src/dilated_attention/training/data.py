@@ -43,8 +43,13 @@ def _files_under(folder: str, suffix: str = "", skipped=frozenset()) -> list[str
 
 
 def _read_utf8(path: str, strict: bool) -> Optional[bytes]:
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        if not strict:
+            return None
+        raise ValueError(f"cannot read {path} ({exc.strerror}): fix it or move it out of the data folder") from None
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as exc:

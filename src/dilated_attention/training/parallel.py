@@ -30,6 +30,7 @@ class Parallel:
     world: int = 1
     mode: str = "single"
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # setup() joined the process group, so close() leaves it
 
     @property
     def is_main(self) -> bool:
@@ -52,6 +53,19 @@ class Parallel:
             value = value.clone()
             dist.all_reduce(value)
         return value
+
+    def close(self) -> None:
+        """Leave the process group if :func:`setup` joined it."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def gather(self, value) -> list:
+        """Every rank's ``value`` (picklable), by rank."""
+        if self.world == 1:
+            return [value]
+        values: list = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module to call in training: ``DistributedDataParallel`` for data parallel."""
@@ -95,6 +109,8 @@ def setup(sequence_parallel: bool, device: Optional[str]) -> Parallel:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
-    return Parallel(rank=rank, world=world, mode="sequence" if sequence_parallel else "data", device=dev)
+    return Parallel(rank=rank, world=world, mode="sequence" if sequence_parallel else "data", device=dev,
+                    owns_group=owns)

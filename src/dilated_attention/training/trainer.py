@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -36,8 +37,8 @@ class TrainSettings:
     """How to train (the model's shape is a :class:`LongNetConfig`).
 
     ``steps``: the run's total optimizer steps (the schedule's length), also when
-    resuming; ``minutes``: stop earlier once this much training time has passed
-    (the run can be resumed). ``batch_size``: sequences per step over all processes.
+    resuming; ``minutes``: stop earlier once the training steps have taken this long
+    (evaluation and checkpoints not counted; the run can be resumed). ``batch_size``: sequences per step over all processes.
     ``lr``: the peak learning rate, reached linearly over ``warmup_steps``, then a
     cosine down to ``lr * min_lr_ratio``. AdamW (``weight_decay`` on matrices only),
     gradients clipped to norm ``grad_clip``. ``dtype``: ``"bfloat16"`` runs under
@@ -75,6 +76,8 @@ class TrainSettings:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
+            if name in ("lr", "grad_clip") and not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.minutes is not None and not 0 < self.minutes < math.inf:
             raise ValueError(f"minutes must be a number > 0, got {self.minutes!r}")
         if self.dtype not in AUTOCAST_DTYPES:
@@ -105,7 +108,7 @@ def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
 def load_model(run_dir: str, device="cpu") -> LongNetLM:
     """The model of a run's latest checkpoint, in eval mode."""
     config, _ = read_run_config(run_dir)
-    state = checkpoint.load_checkpoint(run_dir, map_location=device)
+    state = checkpoint.load_checkpoint(run_dir)
     model = LongNetLM(_matching_config(run_dir, config, state)).to(device)
     model.load_state_dict(state["model"])
     return model.eval()
@@ -129,29 +132,34 @@ def _parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]
 
 
 class _StopRequest:
-    """Ctrl-C during training: the first finishes the current step, checkpoints and
-    stops; a second one interrupts at once (the previous checkpoint stays whole)."""
+    """Ctrl-C (SIGINT) or SIGTERM during training: the first finishes the current step,
+    checkpoints and stops; a second Ctrl-C interrupts at once (the previous checkpoint
+    stays whole)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self._previous = {}
 
     def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread: Ctrl-C keeps its usual meaning
-            self._previous = None
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: the signals keep their usual meaning
+                pass
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\nCtrl-C: stopping after this step and writing a checkpoint (press again to stop at once)")
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint (Ctrl-C again "
+              "stops at once)", file=sys.stderr)
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 def train(
@@ -168,32 +176,38 @@ def train(
 
     A new run needs ``settings`` and ``model_config`` and an empty or missing
     ``run_dir``; a resumed one reads them from ``run_dir`` (``settings``, if given,
-    may change only ``steps`` and ``minutes``). ``callback(record)`` is called after
-    every step with the step's log record (on rank 0). Launched by ``torchrun``, the
-    processes share each step (see :mod:`dilated_attention.training.parallel`).
+    may change only ``steps`` and ``minutes``; ``minutes`` limits each invocation).
+    ``callback(record)`` is called after every step with the step's log record (on
+    rank 0). Launched by ``torchrun``, the processes share each step (see
+    :mod:`dilated_attention.training.parallel`); every check that can fail runs on
+    every rank before the first collective, so that all ranks fail alike.
     """
     if resume:
         model_config, saved = read_run_config(run_dir)
         settings = _resumed_settings(saved, settings)
     elif settings is None or model_config is None:
         raise ValueError("a new run needs settings and model_config")
+    else:
+        settings = _check_new_run(run_dir, settings, model_config)
     place = parallel.setup(settings.sequence_parallel, device)
-    if settings.context < model_config.max_segment:
-        raise ValueError(
-            f"--context {settings.context} is shorter than the longest segment ({model_config.max_segment}): the "
-            "model would never see that branch's segments whole in training, yet use them when generating. "
-            f"Use --context >= {model_config.max_segment}, or a model with shorter segments"
-        )
-    if place.mode == "data" and settings.batch_size % place.world:
-        raise ValueError(f"--batch-size {settings.batch_size} must be divisible by the {place.world} processes")
-    if place.mode == "sequence" and settings.context < place.world:
-        raise ValueError(f"--context {settings.context} is shorter than the {place.world} sequence shards")
+    try:
+        return _train(run_dir, settings, model_config, resume, place, callback, progress)
+    finally:
+        place.close()
+
+
+def _train(run_dir, settings, model_config, resume, place, callback, progress) -> dict:
+    """:func:`train` once the settings are known and this process has its place."""
+    _check_split(settings, place)
     corpus = load_corpus(settings.data)
     check_long_enough(corpus, settings.context)
+    state = _checked_state(run_dir, model_config, settings) if resume else None
 
     torch.manual_seed(settings.seed)
     model = LongNetLM(model_config).to(place.device)
     model.gradient_checkpointing = settings.grad_checkpointing
+    if place.rank:  # the same initialisation everywhere, then each rank's own dropout masks
+        torch.manual_seed(settings.seed + 1_000_003 * place.rank)
     optimizer = torch.optim.AdamW(
         _parameter_groups(model, settings.weight_decay), lr=settings.lr, betas=(0.9, 0.95),
         fused=place.device.type == "cuda",
@@ -201,16 +215,12 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: settings.learning_rate(step) / settings.lr)
     batches = Batches(corpus.train, settings.context, settings.batch_size, settings.seed)
     step, elapsed = 0, 0.0
-    if resume:
-        state = checkpoint.load_checkpoint(run_dir, map_location=place.device)
-        _matching_config(run_dir, model_config, state)
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         batches.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if place.device.type == "cuda" and "cuda" in state["rng"]:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], place.device)
+        _restore_rng(state["rng"], place)
         step, elapsed = state["step"], state["elapsed_s"]
         if place.is_main:
             _truncate_log(run_dir, step)
@@ -223,6 +233,8 @@ def train(
     def loss_sum(module, inputs, targets) -> torch.Tensor:
         """Summed cross entropy (nats) of this rank's part of ``inputs, targets``."""
         inputs, targets = place.part(inputs, targets)
+        if not inputs.numel():  # more ranks than evaluation windows
+            return torch.zeros((), device=place.device)
         with torch.autocast(place.device.type, dtype=autocast, enabled=autocast is not None):
             logits = module(inputs, process_group=place.group)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
@@ -236,17 +248,20 @@ def train(
         return float(total) / evaluation[1].numel() / math.log(2)
 
     def save():
+        rng = place.gather(_rng_state(place.device))  # a collective: every rank calls save
         if place.is_main:
             checkpoint.save_checkpoint(run_dir, {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "data": batches.state_dict(), "step": step,
-                "elapsed_s": elapsed, "model_config": model_config.to_dict(), "rng": _rng_states(place.device),
+                "elapsed_s": elapsed, "model_config": model_config.to_dict(), "rng": rng,
+                "settings": _fixed_settings(settings),
             })
 
+    if state is None:
+        save()  # step 0: a run is resumable from its start
     bar = _progress_bar(settings.steps, step, enabled=progress and place.is_main)
     model.train()
-    stop_reason = "done"
-    started = time.perf_counter() - elapsed
+    stop_reason, session = "done", 0.0
     with _StopRequest() as stop:
         while step < settings.steps:
             tick = time.perf_counter()
@@ -261,27 +276,29 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             step += 1
             loss = float(place.sum(summed.detach())) / count
-            elapsed = time.perf_counter() - started
+            seconds = time.perf_counter() - tick
+            elapsed, session = elapsed + seconds, session + seconds
             record = {"step": step, "loss": loss, "bpb": loss / math.log(2), "lr": scheduler.get_last_lr()[0],
-                      "tokens_per_s": count / (time.perf_counter() - tick), "elapsed_s": elapsed}
+                      "tokens_per_s": count / seconds, "elapsed_s": elapsed}
             last = step == settings.steps
-            if step % settings.eval_interval == 0 or last:
+            out_of_time = _agree(place, settings.minutes is not None and session >= 60 * settings.minutes)
+            if step % settings.eval_interval == 0 or last or out_of_time:
                 record["val_bpb"] = evaluate()
-            out_of_time = settings.minutes is not None and elapsed >= 60 * settings.minutes
             if place.is_main:
                 _append_log(run_dir, record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if callback is not None:
                     callback(record)
-            stop_now = _agree(place, stop.requested or out_of_time)
+            interrupted = _agree(place, stop.requested)
+            stop_now = out_of_time or interrupted
             if step % settings.checkpoint_interval == 0 or last or stop_now:
                 save()
             if "val_bpb" in record or last or stop_now:
                 if place.is_main:
                     _plot(run_dir)
             if stop_now:
-                stop_reason = "interrupted" if stop.requested else "out of time"
+                stop_reason = "interrupted" if interrupted else "out of time"
                 break
     bar.close()
     return {"run_dir": run_dir, "step": step, "steps": settings.steps, "stopped": stop_reason,
@@ -289,8 +306,10 @@ def train(
 
 
 def _resumed_settings(saved: TrainSettings, given: Optional[TrainSettings]) -> TrainSettings:
+    """The saved settings with ``given``'s ``steps`` and ``minutes`` (a time limit is
+    per invocation: a resumed run has none unless given one)."""
     if given is None:
-        return saved
+        return dataclasses.replace(saved, minutes=None)
     changed = {f.name for f in dataclasses.fields(TrainSettings)
                if getattr(given, f.name) != getattr(saved, f.name) and f.name not in ("steps", "minutes")}
     if changed:
@@ -298,22 +317,83 @@ def _resumed_settings(saved: TrainSettings, given: Optional[TrainSettings]) -> T
     return dataclasses.replace(saved, steps=given.steps, minutes=given.minutes)
 
 
+def _fixed_settings(settings: TrainSettings) -> dict:
+    """The settings a resumed run must share with its checkpoint."""
+    return {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("steps", "minutes")}
+
+
+def _check_model(model_config: LongNetConfig, settings: TrainSettings) -> None:
+    if model_config.vocab_size != 256:
+        raise ValueError(f"train reads text as bytes: the model's vocab_size must be 256, got {model_config.vocab_size}")
+    if settings.context < model_config.max_segment:
+        raise ValueError(
+            f"--context {settings.context} is shorter than the longest segment ({model_config.max_segment}): the "
+            "model would never see that branch's segments whole in training, yet use them when generating. "
+            f"Use --context >= {model_config.max_segment}, or a model with shorter segments"
+        )
+
+
+def _check_new_run(run_dir: str, settings: TrainSettings, model_config: LongNetConfig) -> TrainSettings:
+    """Refuse a run folder that exists and is not empty (or is a file); the settings
+    with the data path made absolute, so that a resumed run reads the same files."""
+    _check_model(model_config, settings)
+    if os.path.exists(run_dir):
+        if not os.path.isdir(run_dir):
+            raise ValueError(f"--out {run_dir} is a file, not a folder: pick a new folder for the run")
+        if os.path.isfile(os.path.join(run_dir, checkpoint.CHECKPOINT)):
+            raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or pick another --out")
+        if os.listdir(run_dir):
+            raise ValueError(f"--out {run_dir} is a folder with files in it: pick an empty or new folder for the run")
+    data = None if settings.data is None else os.path.abspath(settings.data)
+    return dataclasses.replace(settings, data=data)
+
+
+def _check_split(settings: TrainSettings, place) -> None:
+    if place.mode == "data" and settings.batch_size % place.world:
+        raise ValueError(f"--batch-size {settings.batch_size} must be divisible by the {place.world} processes")
+    if place.mode == "sequence" and settings.context < place.world:
+        raise ValueError(f"--context {settings.context} is shorter than the {place.world} sequence shards")
+
+
+def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> dict:
+    """The checkpoint to resume, checked against the run's configuration and log."""
+    state = checkpoint.load_checkpoint(run_dir)
+    _matching_config(run_dir, model_config, state)
+    _check_model(model_config, settings)
+    if state["settings"] != _fixed_settings(settings):
+        raise ValueError(f"{os.path.join(run_dir, CONFIG)}'s training settings differ from those of {run_dir}'s "
+                         "checkpoint: restore config.json")
+    if settings.steps < state["step"]:
+        raise ValueError(f"{run_dir} has done {state['step']} steps already: --steps (the total) must be at least that")
+    read_log(run_dir)  # a damaged log fails here, on every rank
+    return state
+
+
 def _agree(place, flag: bool) -> bool:
     """``flag`` on any rank, so that every rank stops after the same step."""
     return bool(place.sum(torch.tensor([float(flag)], device=place.device)) > 0)
 
 
-def _rng_states(device: torch.device) -> dict:
+def _rng_state(device: torch.device) -> dict:
     states = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
     return states
 
 
+def _restore_rng(states: list, place) -> None:
+    """This rank's random state (rank 0's for ranks the checkpoint did not have)."""
+    mine = states[min(place.rank, len(states) - 1)]
+    torch.set_rng_state(mine["torch"])
+    if place.device.type == "cuda" and "cuda" in mine:
+        torch.cuda.set_rng_state(mine["cuda"], place.device)
+
+
 def _start_run_folder(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> None:
-    if os.path.exists(os.path.join(run_dir, checkpoint.CHECKPOINT)) or os.path.exists(os.path.join(run_dir, CONFIG)):
-        raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or pick another --out")
-    os.makedirs(run_dir, exist_ok=True)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {run_dir}: cannot create the run folder ({exc.strerror})") from None
     with atomic_write(os.path.join(run_dir, CONFIG)) as f:
         json.dump({"model": model_config.to_dict(), "training": dataclasses.asdict(settings)}, f, indent=1)
     with atomic_write(os.path.join(run_dir, LOG)) as f:
@@ -329,7 +409,13 @@ def read_log(run_dir: str) -> list[dict]:
         lines = [line for line in f if line.strip()]
     if lines and not lines[-1].endswith("\n"):
         lines.pop()
-    return [json.loads(line) for line in lines]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}, line {number}, is not a JSON record: the log is damaged") from None
+    return records
 
 
 def _truncate_log(run_dir: str, step: int) -> None:
