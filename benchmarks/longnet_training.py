@@ -84,7 +84,8 @@ def speed(args, device) -> tuple[dict, str]:
             rows.append({"context": context, "attention": name, **cost})
             # Predict the next context's step: quadratic for dense, linear for dilated.
             predicted[name] = cost["seconds"] * (4 if name == "dense" else 1) * 4  # contexts grow 4x
-            print(f"{name:8} {context:6}: {cost['tokens_per_s']:8.0f} tokens/s, {cost['peak_mib']:7.0f} MiB", flush=True)
+            print(f"{name:8} {context:6}: {cost['tokens_per_s']:8.0f} tokens/s, {cost['peak_mib']:7.0f} MiB",
+                  flush=True)
     lines = [f"LongNet '{PRESET}' training step, batch 1, float32, {device.type} ({machine_info(device)['cpu']}, "
              f"{torch.get_num_threads()} threads)",
              f"{'context':>8} {'dilated tok/s':>14} {'dense tok/s':>12} {'speed-up':>9} "

@@ -36,7 +36,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x`` ``(B, N, H, D)``, ``positions`` integer ``(N,)`` or ``(B, N)`` -> rotated ``(B, N, H, D)``."""
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
-            raise ValueError(f"x must have shape (batch, seq_len, heads, head_dim={self.head_dim}), got {tuple(x.shape)}")
+            raise ValueError(
+                f"x must have shape (batch, seq_len, heads, head_dim={self.head_dim}), got {tuple(x.shape)}"
+            )
         if positions.dtype.is_floating_point or positions.shape not in ((x.shape[1],), tuple(x.shape[:2])):
             raise ValueError(
                 f"positions must be integers of shape (seq_len,) or (batch, seq_len) = {tuple(x.shape[:2])}, "

@@ -4,6 +4,8 @@ Needs the ``train`` extra (tqdm, matplotlib): ``pip install 'dilated-attention[t
 """
 
 from .data import Corpus, load_corpus
-from .trainer import TrainSettings, load_model, read_log, read_run_config, train
+from .run_folder import read_log, read_run_config
+from .settings import TrainSettings
+from .trainer import load_model, train
 
 __all__ = ["TrainSettings", "train", "load_model", "read_log", "read_run_config", "Corpus", "load_corpus"]

@@ -13,7 +13,9 @@ import torch
 from ..arguments import number
 from ..models import PRESETS, LongNetConfig
 from . import checkpoint
-from .trainer import AUTOCAST_DTYPES, TrainSettings, load_model, read_run_config, train
+from .run_folder import read_log, read_run_config
+from .settings import AUTOCAST_DTYPES, TrainSettings
+from .trainer import load_model, train
 
 RUNS = "runs"
 
@@ -50,7 +52,8 @@ def add_train(sub, add_command) -> None:
                        help="continue this run exactly where its checkpoint left it (default: start a new run)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: tiny)")
-    model.add_argument("--config", metavar="JSON", help="a LongNetConfig as a JSON file, instead of --preset (default: the preset)")
+    model.add_argument("--config", metavar="JSON",
+                       help="a LongNetConfig as a JSON file, instead of --preset (default: the preset)")
     p.add_argument("--data", help="a UTF-8 text file or a folder of them (default: the standard library's sources)")
     defaults = TrainSettings()
     for option, name, kind, text in _SETTINGS:
@@ -112,8 +115,6 @@ def _model_config(args) -> LongNetConfig:
 
 
 def _report(summary: dict) -> None:
-    from .trainer import read_log
-
     records = read_log(summary["run_dir"])
     evaluated = [r for r in records if "val_bpb" in r]
     print(f"trained {summary['parameters']:,} parameters on {summary['corpus']}")
@@ -133,7 +134,8 @@ def add_generate(sub, add_command) -> None:
         "bounded by the longest segment, however long the text), print it as it comes, then the "
         "speed and the cache's size.",
     )
-    p.add_argument("--run", dest="run_dir", metavar="RUN_DIR", help=f"the run folder (default: the newest under {RUNS}/)")
+    p.add_argument("--run", dest="run_dir", metavar="RUN_DIR",
+                   help=f"the run folder (default: the newest under {RUNS}/)")
     p.add_argument("--prompt", required=True, help="the text to continue (required)")
     p.add_argument("--max-new-tokens", type=number(int, 0), default=200, help="bytes to sample (default: 200)")
     p.add_argument("--temperature", type=number(float, 0), default=0.8,

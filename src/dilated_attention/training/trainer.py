@@ -1,113 +1,31 @@
 """The training loop of ``dilated-attention train``: a LongNet on bytes, with resumable runs.
 
-A run folder holds ``config.json`` (the model and these settings), ``log.jsonl`` (one
-record per step), ``loss.png`` and ``checkpoint.pt`` (model, optimizer, schedule,
-data position and random states). A resumed run computes the same losses, step for
-step, as one that was never interrupted.
+A run folder (:mod:`.run_folder`) holds ``config.json``, ``log.jsonl``, ``loss.png`` and
+``checkpoint.pt`` (model, optimizer, schedule, data position and random states). A
+resumed run computes the same losses, step for step, as one that was never interrupted.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch.nn import functional as F
 
-from ..files import atomic_write
 from ..models import LongNetConfig, LongNetLM
-from . import checkpoint, parallel
+from . import checkpoint, parallel, run_folder
 from .data import Batches, check_long_enough, evaluation_windows, load_corpus
-
-CONFIG = "config.json"
-LOG = "log.jsonl"
-PLOT = "loss.png"
-AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class TrainSettings:
-    """How to train (the model's shape is a :class:`LongNetConfig`).
-
-    ``steps``: the run's total optimizer steps (the schedule's length), also when
-    resuming; ``minutes``: stop earlier once the training steps have taken this long
-    (evaluation and checkpoints not counted; the run can be resumed). ``batch_size``: sequences per step over all processes.
-    ``lr``: the peak learning rate, reached linearly over ``warmup_steps``, then a
-    cosine down to ``lr * min_lr_ratio``. AdamW (``weight_decay`` on matrices only),
-    gradients clipped to norm ``grad_clip``. ``dtype``: ``"bfloat16"`` runs under
-    autocast (CPU too). ``data``: a UTF-8 file or folder (default: the standard
-    library's sources).
-    """
-
-    context: int = 512
-    batch_size: int = 8
-    steps: int = 600
-    minutes: Optional[float] = None
-    lr: float = 3e-3
-    warmup_steps: int = 30
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    dtype: str = "float32"
-    grad_checkpointing: bool = False
-    seed: int = 0
-    data: Optional[str] = None
-    eval_interval: int = 50
-    eval_windows: int = 16
-    checkpoint_interval: int = 100
-    sequence_parallel: bool = False
-
-    def __post_init__(self):
-        for name in ("context", "batch_size", "steps", "eval_interval", "eval_windows", "checkpoint_interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        for name, low, high in (("lr", 0, math.inf), ("min_lr_ratio", 0, 1), ("weight_decay", 0, math.inf),
-                                ("grad_clip", 0, math.inf)):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high:
-                raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
-            if name in ("lr", "grad_clip") and not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if self.minutes is not None and not 0 < self.minutes < math.inf:
-            raise ValueError(f"minutes must be a number > 0, got {self.minutes!r}")
-        if self.dtype not in AUTOCAST_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(AUTOCAST_DTYPES)}, got {self.dtype!r}")
-
-    def learning_rate(self, step: int) -> float:
-        """The learning rate of step ``step`` (0-based)."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
-        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
-
-
-def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
-    """The model configuration and settings a run folder was started with."""
-    path = os.path.join(run_dir, CONFIG)
-    if not os.path.isfile(path):
-        raise ValueError(f"{run_dir} is not a training run folder: {path} is missing")
-    try:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
-        return LongNetConfig.from_dict(saved["model"]), TrainSettings(**saved["training"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path} is not a valid run configuration: {exc}") from None
-
+from .settings import AUTOCAST_DTYPES, TrainSettings
 
 def load_model(run_dir: str, device="cpu") -> LongNetLM:
     """The model of a run's latest checkpoint, in eval mode."""
-    config, _ = read_run_config(run_dir)
+    config, _ = run_folder.read_run_config(run_dir)
     state = checkpoint.load_checkpoint(run_dir)
     model = LongNetLM(_matching_config(run_dir, config, state)).to(device)
     model.load_state_dict(state["model"])
@@ -118,7 +36,7 @@ def _matching_config(run_dir: str, config: LongNetConfig, state: dict) -> LongNe
     saved = LongNetConfig.from_dict(state["model_config"])
     if saved != config:
         raise ValueError(
-            f"{os.path.join(run_dir, CONFIG)} describes a different model than {run_dir}'s checkpoint "
+            f"{os.path.join(run_dir, run_folder.CONFIG)} describes a different model than {run_dir}'s checkpoint "
             f"({config} vs {saved}): restore config.json, or train a new run"
         )
     return config
@@ -183,7 +101,7 @@ def train(
     every rank before the first collective, so that all ranks fail alike.
     """
     if resume:
-        model_config, saved = read_run_config(run_dir)
+        model_config, saved = run_folder.read_run_config(run_dir)
         settings = _resumed_settings(saved, settings)
     elif settings is None or model_config is None:
         raise ValueError("a new run needs settings and model_config")
@@ -223,9 +141,9 @@ def _train(run_dir, settings, model_config, resume, place, callback, progress) -
         _restore_rng(state["rng"], place)
         step, elapsed = state["step"], state["elapsed_s"]
         if place.is_main:
-            _truncate_log(run_dir, step)
+            run_folder.truncate_log(run_dir, step)
     elif place.is_main:
-        _start_run_folder(run_dir, model_config, settings)
+        run_folder.start_run_folder(run_dir, model_config, settings)
     trained = place.wrap(model)
     autocast = AUTOCAST_DTYPES[settings.dtype]
     evaluation = evaluation_windows(corpus.validation, settings.context, settings.eval_windows)
@@ -285,7 +203,7 @@ def _train(run_dir, settings, model_config, resume, place, callback, progress) -
             if step % settings.eval_interval == 0 or last or out_of_time:
                 record["val_bpb"] = evaluate()
             if place.is_main:
-                _append_log(run_dir, record)
+                run_folder.append_log(run_dir, record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 if callback is not None:
@@ -296,7 +214,7 @@ def _train(run_dir, settings, model_config, resume, place, callback, progress) -
                 save()
             if "val_bpb" in record or last or stop_now:
                 if place.is_main:
-                    _plot(run_dir)
+                    run_folder.plot(run_dir)
             if stop_now:
                 stop_reason = "interrupted" if interrupted else "out of time"
                 break
@@ -324,7 +242,9 @@ def _fixed_settings(settings: TrainSettings) -> dict:
 
 def _check_model(model_config: LongNetConfig, settings: TrainSettings) -> None:
     if model_config.vocab_size != 256:
-        raise ValueError(f"train reads text as bytes: the model's vocab_size must be 256, got {model_config.vocab_size}")
+        raise ValueError(
+            f"train reads text as bytes: the model's vocab_size must be 256, got {model_config.vocab_size}"
+        )
     if settings.context < model_config.max_segment:
         raise ValueError(
             f"--context {settings.context} is shorter than the longest segment ({model_config.max_segment}): the "
@@ -341,7 +261,9 @@ def _check_new_run(run_dir: str, settings: TrainSettings, model_config: LongNetC
         if not os.path.isdir(run_dir):
             raise ValueError(f"--out {run_dir} is a file, not a folder: pick a new folder for the run")
         if os.path.isfile(os.path.join(run_dir, checkpoint.CHECKPOINT)):
-            raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or pick another --out")
+            raise ValueError(
+                f"{run_dir} already holds a run: continue it with --resume {run_dir}, or pick another --out"
+            )
         if os.listdir(run_dir):
             raise ValueError(f"--out {run_dir} is a folder with files in it: pick an empty or new folder for the run")
     data = None if settings.data is None else os.path.abspath(settings.data)
@@ -361,11 +283,12 @@ def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSet
     _matching_config(run_dir, model_config, state)
     _check_model(model_config, settings)
     if state["settings"] != _fixed_settings(settings):
-        raise ValueError(f"{os.path.join(run_dir, CONFIG)}'s training settings differ from those of {run_dir}'s "
+        raise ValueError(f"{os.path.join(run_dir, run_folder.CONFIG)}'s training settings differ from those of "
+                         f"{run_dir}'s "
                          "checkpoint: restore config.json")
     if settings.steps < state["step"]:
         raise ValueError(f"{run_dir} has done {state['step']} steps already: --steps (the total) must be at least that")
-    read_log(run_dir)  # a damaged log fails here, on every rank
+    run_folder.read_log(run_dir)  # a damaged log fails here, on every rank
     return state
 
 
@@ -389,65 +312,7 @@ def _restore_rng(states: list, place) -> None:
         torch.cuda.set_rng_state(mine["cuda"], place.device)
 
 
-def _start_run_folder(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> None:
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--out {run_dir}: cannot create the run folder ({exc.strerror})") from None
-    with atomic_write(os.path.join(run_dir, CONFIG)) as f:
-        json.dump({"model": model_config.to_dict(), "training": dataclasses.asdict(settings)}, f, indent=1)
-    with atomic_write(os.path.join(run_dir, LOG)) as f:
-        f.write("")
-
-
-def read_log(run_dir: str) -> list[dict]:
-    """The run's log records, oldest first (a last line cut short by a crash is left out)."""
-    path = os.path.join(run_dir, LOG)
-    if not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
-    if lines and not lines[-1].endswith("\n"):
-        lines.pop()
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}, line {number}, is not a JSON record: the log is damaged") from None
-    return records
-
-
-def _truncate_log(run_dir: str, step: int) -> None:
-    """Drop the records of steps after the checkpoint (a resumed run redoes them)."""
-    kept = [r for r in read_log(run_dir) if r["step"] <= step]
-    with atomic_write(os.path.join(run_dir, LOG)) as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-
-
-def _append_log(run_dir: str, record: dict) -> None:
-    with open(os.path.join(run_dir, LOG), "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def _progress_bar(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
-
-
-def _plot(run_dir: str) -> None:
-    """``loss.png``: training and validation bits per byte against the step."""
-    from ..plotting import pyplot, save
-
-    records = read_log(run_dir)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot([r["step"] for r in records], [r["bpb"] for r in records], lw=0.8, label="training (batch)")
-    evaluated = [r for r in records if "val_bpb" in r]
-    ax.plot([r["step"] for r in evaluated], [r["val_bpb"] for r in evaluated], "o-", ms=3, label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("bits per byte")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    save(fig, os.path.join(run_dir, PLOT), f"{os.path.basename(os.path.abspath(run_dir))}: loss")
