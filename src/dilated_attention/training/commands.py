@@ -120,8 +120,8 @@ def _report(summary: dict) -> None:
     print(f"trained {summary['parameters']:,} parameters on {summary['corpus']}")
     losses = (f": training loss {records[0]['bpb']:.2f} -> {records[-1]['bpb']:.2f} bits per byte" if records
               else " (no steps logged)")
-    print(f"step {summary['step']}/{summary['steps']} ({summary['stopped']}) in {summary['elapsed_s']:.0f} s of "
-          f"training{losses}" + (f", validation {evaluated[-1]['val_bpb']:.2f}" if evaluated else ""))
+    print(f"step {summary['step']}/{summary['steps']} ({summary['stopped']}) after {summary['elapsed_s']:.0f} s of "
+          f"training in all (resumed sessions included){losses}" + (f", validation {evaluated[-1]['val_bpb']:.2f}" if evaluated else ""))
     print(f"run folder: {summary['run_dir']} (log.jsonl, loss.png, checkpoint.pt)")
     if summary["stopped"] != "done":
         print(f"continue with: dilated-attention train --resume {summary['run_dir']}")

@@ -101,7 +101,7 @@ def setup(sequence_parallel: bool, device: Optional[str]) -> Parallel:
         raise ValueError("--device cuda, but torch.cuda.is_available() is False: use --device cpu")
     if world == 1:
         if sequence_parallel:
-            raise ValueError("--sequence-parallel needs several processes: launch with torchrun --nproc-per-node N")
+            raise ValueError("--sequence-parallel needs several processes: launch with torchrun --nproc_per_node N")
         return Parallel(device=torch.device(device_type))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":

@@ -206,6 +206,8 @@ def _train(run_dir, settings, model_config, resume, place, callback, progress) -
                 run_folder.append_log(run_dir, record)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if progress and bar.disable and "val_bpb" in record:
+                    _print_evaluation(record, settings.steps)
                 if callback is not None:
                     callback(record)
             interrupted = _agree(place, stop.requested)
@@ -313,6 +315,13 @@ def _restore_rng(states: list, place) -> None:
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):
+    """A tqdm bar on a terminal; elsewhere (output to a file) none: the evaluations
+    print one line each instead (see :func:`_print_evaluation`)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, disable=None if enabled else True, unit="step", dynamic_ncols=True)
+
+
+def _print_evaluation(record: dict, steps: int) -> None:
+    print(f"step {record['step']}/{steps}: loss {record['bpb']:.3f} bits per byte, validation "
+          f"{record['val_bpb']:.3f}, {record['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
