@@ -1,0 +1,150 @@
+"""dilated attention inside transformers models (tiny ones built from configs, no downloads)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask  # noqa: E402
+
+from dilated_attention import reference_dilated_attention  # noqa: E402
+from dilated_attention.integrations.transformers import dilated_attention_forward, register  # noqa: E402
+
+BRANCHES = dict(segment_lengths=[4, 8], dilation_rates=[1, 2])
+register("dilated", **BRANCHES)
+register("dilated_one_segment", segment_lengths=[4096], dilation_rates=[1])
+
+
+def _reference_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The same attention through the dense float64 reference (no padding)."""
+    groups = module.num_key_value_groups
+    key, value = (t.repeat_interleave(groups, dim=1).transpose(1, 2) for t in (key, value))
+    out, _ = reference_dilated_attention(query.transpose(1, 2), key, value, is_causal=True, softmax_scale=scaling,
+                                         **BRANCHES)
+    return out.to(query.dtype), None
+
+
+AttentionInterface.register("dilated_reference", _reference_forward)
+AttentionMaskInterface.register("dilated_reference", flash_attention_mask)
+
+
+def tiny(family, **changes):
+    torch.manual_seed(0)
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, **changes))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **changes))
+    return model.double().eval()
+
+
+def left_padded(batch_tokens, lengths):
+    """Right-aligned rows: the last ``lengths[b]`` tokens of each row are real."""
+    mask = torch.zeros(batch_tokens.shape, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        mask[row, batch_tokens.shape[1] - length :] = 1
+    return mask
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@torch.no_grad()
+def test_one_whole_segment_gives_the_sdpa_logits(family):
+    model = tiny(family)
+    tokens = torch.randint(0, 61, (3, 37))
+    mask = left_padded(tokens, [37, 30, 12])
+    logits = {}
+    for name in ("sdpa", "dilated_one_segment"):
+        model.set_attn_implementation(name)
+        logits[name] = model(tokens, attention_mask=mask).logits
+    real = mask.bool()
+    a, b = logits["sdpa"][real], logits["dilated_one_segment"][real]
+    assert float((a - b).abs().max() / a.abs().max()) <= 1e-10
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_dilated_layers_and_gradients_match_the_reference(family):
+    model = tiny(family)
+    tokens = torch.randint(0, 61, (2, 29))
+    results = {}
+    for name in ("dilated", "dilated_reference"):
+        model.set_attn_implementation(name)
+        model.zero_grad()
+        logits = model(tokens).logits
+        logits.logsumexp(-1).sum().backward()
+        results[name] = (logits.detach(), [p.grad.clone() for p in model.parameters()])
+    (a, grads_a), (b, grads_b) = results["dilated"], results["dilated_reference"]
+    assert float((a - b).abs().max() / b.abs().max()) <= 1e-10
+    for ga, gb in zip(grads_a, grads_b):
+        assert torch.allclose(ga, gb, rtol=1e-9, atol=1e-11)
+
+
+def test_the_attention_function_handles_gqa_left_padding_and_a_key_window():
+    class Module(torch.nn.Module):
+        num_key_value_groups, is_causal = 3, True
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 6, 5, 8, generator=gen, dtype=torch.float64)  # (B, H, Lq, D): the last 5 of 19 positions
+    k, v = (torch.randn(2, 2, 19, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    mask[1, :7] = False  # row 1: 7 padding slots, then tokens at positions 0 .. 11
+    positions = torch.stack([torch.arange(14, 19), torch.arange(7, 12)])
+    out, weights = dilated_attention_forward(Module(), q, k, v, mask, scaling=0.3, position_ids=positions,
+                                             mode="mixture", head_offsets="interleaved", **BRANCHES)
+    assert weights is None and out.shape == (2, 5, 6, 8)
+    for row, skip in ((0, 0), (1, 7)):
+        keys = [t[row : row + 1, :, skip:].repeat_interleave(3, dim=1).transpose(1, 2) for t in (k, v)]
+        expected, _ = reference_dilated_attention(q[row : row + 1].transpose(1, 2), *keys, is_causal=True,
+                                                  softmax_scale=0.3, **BRANCHES)
+        assert torch.allclose(out[row : row + 1], expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@torch.no_grad()
+def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_nothing(family):
+    model = tiny(family)
+    model.set_attn_implementation("dilated")
+    tokens = torch.randint(0, 61, (2, 13))
+    mask = left_padded(tokens, [13, 6])
+    result = model.generate(tokens, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    for row, length in enumerate([13, 6]):
+        sequence = tokens[row : row + 1, 13 - length :]
+        for step in range(10):
+            logits = model(sequence).logits[0, -1]
+            # generate hands its logits out in float32: equal up to that rounding.
+            assert torch.allclose(result.logits[step][row], logits.float(), rtol=1e-6, atol=1e-6)
+            sequence = torch.cat([sequence, logits.argmax().view(1, 1)], 1)
+        assert torch.equal(result.sequences[row, 13:], sequence[0, length:])
+
+
+def test_unsupported_uses_are_refused_clearly():
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    tokens = torch.randint(0, 61, (2, 9))
+    holes = torch.ones(2, 9, dtype=torch.long)
+    holes[0, 4] = 0
+    with pytest.raises(ValueError, match="not between tokens"):
+        model(tokens, attention_mask=holes)
+    with pytest.raises(ValueError, match="packed sequences"):
+        model(tokens, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5]] * 2))
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(tokens, output_attentions=True)
+    model.model.layers[0].self_attn.is_causal = False
+    with pytest.raises(ValueError, match="causal self-attention only"):
+        model(tokens)
+    windowed = tiny("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    windowed.set_attn_implementation("dilated")
+    with pytest.raises(ValueError, match="sliding_window"):
+        windowed(tokens)
+    with pytest.raises(ValueError, match="new attention implementation name"):
+        register("sdpa", **BRANCHES)
+
+
+def test_the_core_package_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, dilated_attention, dilated_attention.models; print('transformers' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
