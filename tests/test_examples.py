@@ -63,3 +63,13 @@ def test_distributed_example_help_matches_its_flags(capsys, monkeypatch):
     assert "--no-check" in options
     for invocation, help_text in options.items():
         assert "(default: " in help_text and not help_text.startswith("(default"), f"{invocation}: {help_text!r}"
+
+
+def test_transformers_example_trains_and_generates():
+    pytest.importorskip("transformers")
+    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, "transformers_llama.py"), "--steps", "3"],
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("step 1: loss ") and lines[1].startswith("3 steps in ")
+    assert lines[2].startswith("def ")
