@@ -73,6 +73,7 @@ def test_cache_memory_stays_bounded_over_many_segments():
             model(torch.randint(0, 37, (2, 3)), cache=cache)
             peak = max(peak, cache.nbytes)
     assert 0 < peak <= bound
+    assert peak <= cache.max_nbytes(3) == 2 * 2 * 4 * (16 - 1 + 3) * config.dim * 4 * config.depth
     assert cache.layers[0].cached_positions < config.max_segment
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Optional
+
+import torch
 
 
 def number(kind, low: float, inclusive: bool = True):
@@ -22,3 +25,13 @@ def number(kind, low: float, inclusive: bool = True):
 
 positive_int = number(int, 1)
 positive_float = number(float, 0, inclusive=False)
+
+
+def device_type(name: Optional[str]) -> str:
+    """The ``--device`` to run on: ``name``, or ``"cuda"`` if available else ``"cpu"``;
+    a ``ValueError`` for ``"cuda"`` without a GPU."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch.cuda.is_available() is False: use --device cpu")
+    return name

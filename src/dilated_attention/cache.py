@@ -118,6 +118,14 @@ class DilatedKVCache:
         """Bytes of the key and value buffers."""
         return 2 * self._k.numel() * self._k.element_size()
 
+    def max_nbytes(self, chunk: int = 1) -> int:
+        """The most bytes :attr:`nbytes` can be right after a call with ``chunk``
+        positions, however long the sequences: ``4 * (max(segment_lengths) - 1 + chunk)``
+        positions of keys and values per sequence."""
+        batch, heads, dim = self.shape
+        positions = 4 * (max(self.segment_lengths) - 1 + chunk)
+        return 2 * batch * positions * heads * dim * torch.empty((), dtype=self.dtype).element_size()
+
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep the sequences ``indices`` (``(B',)`` ints, repeats allowed), in that order,
         as beam search does after picking its beams."""

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import __version__, benchmark, validation
-from .arguments import positive_float, positive_int
+from .arguments import device_type, positive_float, positive_int
 from .files import fresh_folder, write_results
 from .plan import MODES
 from .training.commands import add_generate, add_train
@@ -27,9 +27,7 @@ MAX_PATTERN_CELLS = 2**24
 def _cmd_check(args) -> int:
     from .check import default_cases, format_table, run_case
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
-        return 2
+    device_type(args.device)
     generator = torch.Generator().manual_seed(args.seed)
     failed = 0
     for name in args.dtype:
@@ -63,8 +61,7 @@ def _cmd_pattern(args) -> int:
 
 def _bench_setup(args) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Check the device, set the threads; the branches of a benchmark command."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch.cuda.is_available() is False")
+    device_type(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     return validation.check_branches(args.segment_lengths, args.dilation_rates)

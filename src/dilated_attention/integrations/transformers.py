@@ -149,18 +149,16 @@ def _padded_rows(query, key, value, mask, position_ids, options) -> torch.Tensor
     if not torch.equal(mask, (steps >= left[:, None]) & (steps < (left + tokens)[:, None])):
         raise ValueError("dilated attention takes padding only at the start or the end of a row, not between tokens")
     shift = _position_shift(position_ids, mask, left, num_keys - num_queries)
-    out = query.new_zeros(query.shape)
-    in_place = (shift == 0).nonzero().flatten()
-    if len(in_place):
-        padding = ~mask[in_place]
-        out[in_place] = dilated_attention(query[in_place], key[in_place], value[in_place],
-                                          key_padding_mask=padding if bool(padding.any()) else None, **options)
-    for skip in sorted(set(left[shift != 0].tolist())):
-        rows = ((left == skip) & (shift != 0)).nonzero().flatten()
+    groups = sorted(set(shift.tolist()))
+    out = None if groups == [0] else query.new_zeros(query.shape)
+    for skip in groups:  # rows that attend from key `skip` on (0: all their keys, padding masked)
+        rows = None if out is None else (shift == skip).nonzero().flatten()
+        q, k, v, m = (t if rows is None else t[rows] for t in (query, key, value, mask))
         real_queries = min(num_queries, num_keys - skip)
-        q = query[rows][:, :, num_queries - real_queries :]
-        k, v, padding = key[rows][:, :, skip:], value[rows][:, :, skip:], ~mask[rows][:, skip:]
+        q, k, v, padding = q[:, :, num_queries - real_queries :], k[:, :, skip:], v[:, :, skip:], ~m[:, skip:]
         result = dilated_attention(q, k, v, key_padding_mask=padding if bool(padding.any()) else None, **options)
+        if out is None:
+            return result
         out[rows, :, num_queries - real_queries :] = result
     return out
 
@@ -174,14 +172,14 @@ def _position_shift(position_ids, mask, left, first_query) -> torch.Tensor:
     index = first_query + torch.arange(num_queries, device=mask.device).expand(batch, -1)
     real = mask.gather(1, index)
     offset = index - position_ids.to(mask.device).expand(batch, -1)  # index - position, on real queries
-    for row in range(batch):
-        seen = set(offset[row][real[row]].tolist())
-        if not seen <= {0, int(left[row])} or len(seen) > 1:
-            raise ValueError(
-                "position_ids must number each row's tokens consecutively from 0, either from its first token "
-                "(as generate does after left padding) or from its first slot; packed sequences and other "
-                f"positions are not supported (row {row}: token index minus position = {sorted(seen)})"
-            )
-    shifted = torch.tensor([bool(((offset[r] == left[r]) & real[r]).any()) and int(left[r]) > 0 for r in range(batch)],
-                           device=mask.device)
-    return torch.where(shifted, left, torch.zeros_like(left))
+    in_place = ((offset == 0) | ~real).all(1)
+    counted = ((offset == left[:, None]) | ~real).all(1)
+    if not bool((in_place | counted).all()):
+        row = int((~(in_place | counted)).nonzero()[0])
+        raise ValueError(
+            "position_ids must number each row's tokens consecutively from 0, either from its first token "
+            "(as generate does after left padding) or from its first slot; packed sequences and other "
+            f"positions are not supported (row {row}: token index minus position = "
+            f"{sorted(set(offset[row][real[row]].tolist()))})"
+        )
+    return torch.where(in_place, torch.zeros_like(left), left)

@@ -89,6 +89,10 @@ class LongNetCache:
         """Bytes of every layer's key and value buffers."""
         return sum(layer.nbytes for layer in self.layers)
 
+    def max_nbytes(self, chunk: int = 1) -> int:
+        """The most bytes :attr:`nbytes` can be right after a call with ``chunk`` tokens."""
+        return sum(layer.max_nbytes(chunk) for layer in self.layers)
+
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep the sequences ``indices`` (``(B',)`` ints), in that order (beam search)."""
         for layer in self.layers:

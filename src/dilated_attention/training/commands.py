@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..arguments import number
+from ..arguments import device_type, number
 from ..models import PRESETS, LongNetConfig
 from . import checkpoint
 from .run_folder import read_log, read_run_config
@@ -162,9 +162,7 @@ def _cmd_generate(args) -> int:
 
     if args.top_p is not None and args.top_p > 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch.cuda.is_available() is False: use --device cpu")
+    device = device_type(args.device)
     run_dir = args.run_dir or newest_run()
     model = load_model(run_dir, device)
     if model.config.vocab_size != 256:
@@ -186,9 +184,8 @@ def _cmd_generate(args) -> int:
         count += 1
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
     seconds = time.perf_counter() - started
-    bound = 2 * model.config.depth * 4 * (model.config.max_segment + 1) * model.config.dim
     print(f"{count} tokens in {seconds:.2f} s ({count / max(seconds, 1e-9):.1f} tokens/s, prompt included in the "
           f"time); cache {cache.nbytes / 2**10:.0f} KiB (stays below "
-          f"{bound * model.embedding.weight.element_size() / 2**10:.0f} KiB however long the text)",
+          f"{cache.max_nbytes() / 2**10:.0f} KiB after a token, however long the text)",
           file=sys.stderr)
     return 0

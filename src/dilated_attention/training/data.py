@@ -116,8 +116,7 @@ class Batches:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, len(self.data) - self.context, (self.batch_size,), generator=self.generator)
-        windows = self.data[starts[:, None] + torch.arange(self.context + 1)].long()
-        return windows[:, :-1], windows[:, 1:]
+        return _windows(self.data, starts, self.context)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
@@ -129,6 +128,11 @@ class Batches:
 def evaluation_windows(data: torch.Tensor, context: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` windows spread evenly over ``data`` (always the same ones): inputs and
     targets, int64 ``(count, context)``."""
-    starts = torch.linspace(0, len(data) - context - 1, count).long()
+    return _windows(data, torch.linspace(0, len(data) - context - 1, count).long(), context)
+
+
+def _windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``context + 1`` bytes from each of ``starts``: inputs and next-byte targets,
+    int64 ``(len(starts), context)`` each."""
     windows = data[starts[:, None] + torch.arange(context + 1)].long()
     return windows[:, :-1], windows[:, 1:]

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..arguments import device_type
+
 
 @dataclass
 class Parallel:
@@ -96,15 +98,13 @@ def setup(sequence_parallel: bool, device: Optional[str]) -> Parallel:
     """Join the process group ``torchrun`` describes in the environment (if any), and
     pick this rank's device (``cuda:LOCAL_RANK`` on GPUs)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    device_type = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch.cuda.is_available() is False: use --device cpu")
+    kind = device_type(device)
     if world == 1:
         if sequence_parallel:
             raise ValueError("--sequence-parallel needs several processes: launch with torchrun --nproc_per_node N")
-        return Parallel(device=torch.device(device_type))
+        return Parallel(device=torch.device(kind))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if device_type == "cuda":
+    if kind == "cuda":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
