@@ -121,7 +121,8 @@ def _report(summary: dict) -> None:
     losses = (f": training loss {records[0]['bpb']:.2f} -> {records[-1]['bpb']:.2f} bits per byte" if records
               else " (no steps logged)")
     print(f"step {summary['step']}/{summary['steps']} ({summary['stopped']}) after {summary['elapsed_s']:.0f} s of "
-          f"training in all (resumed sessions included){losses}" + (f", validation {evaluated[-1]['val_bpb']:.2f}" if evaluated else ""))
+          f"training in all (resumed sessions included){losses}"
+          + (f", validation {evaluated[-1]['val_bpb']:.2f}" if evaluated else ""))
     print(f"run folder: {summary['run_dir']} (log.jsonl, loss.png, checkpoint.pt)")
     if summary["stopped"] != "done":
         print(f"continue with: dilated-attention train --resume {summary['run_dir']}")
