@@ -152,7 +152,8 @@ def _error(argv, capsys) -> str:
     return capsys.readouterr().err
 
 
-def test_bad_runs_and_data_give_clear_errors(tmp_path, text_file, capsys):
+def test_bad_runs_and_data_give_clear_errors(tmp_path, text_file, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no runs/ folder here, whatever the working directory holds
     run = str(tmp_path / "run")
     train(run, settings(text_file, steps=2), CONFIG, progress=False)
     assert "already holds a run: continue it with --resume" in _error(
