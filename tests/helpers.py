@@ -28,14 +28,18 @@ def with_memory_layout(x: torch.Tensor, memory: str) -> torch.Tensor:
     return wide[:, ::2]
 
 
-def random_inputs(seed, batch, seq_len, heads, head_dim, dtype=torch.float64, masked=False, memory="contiguous"):
+def random_inputs(seed, batch, seq_len, heads, head_dim, dtype=torch.float64, masked=False, memory="contiguous",
+                  kv_heads=None):
     """Fresh standard-normal ``q, k, v`` (requiring grad), output and LSE gradients and
     an optional padding mask (about a third of the keys padded), from ``seed``;
     ``memory`` picks the inputs' memory layout (see :func:`with_memory_layout`;
-    ``expanded`` makes every batch row of ``q`` equal, stride 0)."""
+    ``expanded`` makes every batch row of ``q`` equal, stride 0); ``kv_heads``: the
+    heads of ``k, v`` (grouped-query attention; default ``heads``)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (batch, seq_len, heads, head_dim)
-    q, k, v, grad = (torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4))
+    kv_shape = (batch, seq_len, kv_heads or heads, head_dim)
+    q, k, v, grad = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)
+                     for s in (shape, kv_shape, kv_shape, shape))
     grad_lse = torch.randn(shape[:3], generator=gen, dtype=torch.float64)
     mask = (torch.rand(batch, seq_len, generator=gen) < 0.35) if masked else None
     if memory == "expanded":
@@ -45,12 +49,15 @@ def random_inputs(seed, batch, seq_len, heads, head_dim, dtype=torch.float64, ma
 
 
 @st.composite
-def configs(draw, max_len=48, max_heads=6):
+def configs(draw, max_len=48, max_heads=6, grouped_query=False):
     """A configuration anywhere in what the definition allows: odd lengths, w > N,
     w % r != 0, r > w, short last segments, H not divisible by the branch count,
-    masks, any finite scale (0 and negative included), strided inputs."""
+    masks, any finite scale (0 and negative included), strided inputs; with
+    ``grouped_query``, key/value heads that are any divisor of the query heads."""
     branches = draw(st.integers(1, 3))
     mode = draw(st.sampled_from(MODES))
+    heads = draw(st.integers(branches if mode == "head_groups" else 1, max_heads))
+    kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0])) if grouped_query else heads
     return dict(
         segment_lengths=draw(st.lists(st.integers(1, 40), min_size=branches, max_size=branches)),
         dilation_rates=draw(st.lists(st.integers(1, 5), min_size=branches, max_size=branches)),
@@ -60,7 +67,8 @@ def configs(draw, max_len=48, max_heads=6):
         masked=draw(st.booleans()),
         batch=draw(st.integers(1, 2)),
         seq_len=draw(st.integers(1, max_len)),
-        heads=draw(st.integers(branches if mode == "head_groups" else 1, max_heads)),
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=draw(st.sampled_from([1, 3, 8])),
         softmax_scale=draw(st.sampled_from([None, None, 0.7, -1.3, 0.0])),
         memory=draw(st.sampled_from(MEMORY_LAYOUTS)),
@@ -71,6 +79,8 @@ def configs(draw, max_len=48, max_heads=6):
 def split_config(cfg):
     """``(input kwargs, attention kwargs)`` of a config drawn by :func:`configs`."""
     inputs = {key: cfg[key] for key in ("seed", "batch", "seq_len", "heads", "head_dim", "masked", "memory")}
+    if cfg["kv_heads"] != cfg["heads"]:
+        inputs["kv_heads"] = cfg["kv_heads"]
     attention = {
         key: cfg[key]
         for key in ("segment_lengths", "dilation_rates", "mode", "head_offsets", "is_causal", "softmax_scale")

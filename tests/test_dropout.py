@@ -103,6 +103,24 @@ def test_dropout_does_not_depend_on_how_the_work_is_cut(monkeypatch):
     assert all(max_relative_error(a, b) <= 1e-13 for a, b in zip(whole, cut))
 
 
+@pytest.mark.parametrize("head_offsets", ["interleaved", "contiguous"])
+def test_grouped_query_dropout_is_that_of_repeated_keys(head_offsets):
+    """Shared key/value heads keep each query head's dropout mask: the output and the
+    gradients equal those of the keys repeated per query head (summed back)."""
+    (q, k, v), (grad, grad_lse), mask = random_inputs(8, 2, 29, 6, 4, masked=True, kv_heads=2)
+    repeated = [t.detach().repeat_interleave(3, dim=2).requires_grad_() for t in (k, v)]
+
+    def run(k, v):
+        torch.manual_seed(5)
+        out, lse = dilated_attention(q, k, v, SEGS, RATES, head_offsets=head_offsets, is_causal=True, dropout_p=0.3,
+                                     key_padding_mask=mask, return_lse=True)
+        return [out, lse, *torch.autograd.grad((out, lse), (q, k, v), (grad, grad_lse.float()))]
+
+    shared, full = run(k, v), run(*repeated)
+    full[3:] = [g.unflatten(2, (2, 3)).sum(3) for g in full[3:]]
+    assert all(max_relative_error(a, b) <= 1e-12 for a, b in zip(shared, full))
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the most elements of any tensor an operator returns."""
 

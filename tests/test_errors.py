@@ -47,7 +47,7 @@ q0, k0, v0 = qkv()
         (dict(q=q0[0]), ValueError, "q must have 4 dims"),
         (dict(k=k0[:, :8]), ValueError, "v must have the shape of k"),
         (dict(k=k0[:, :8], v=v0[:, :8]), ValueError, "q has 16 positions but k and v only 8"),
-        (dict(k=k0[:, :, :2], v=v0[:, :, :2]), ValueError,
+        (dict(k=k0[:, :, :3], v=v0[:, :, :3]), ValueError,
          "k must have the shape of q (2, 16, 4, 8) but for its length"),
         (dict(q=q0[:, :8]), ValueError, "need is_causal=True"),
         (dict(q=q0[:, :8], is_causal=True, key_offset=-1), ValueError, "key_offset must be >= 0"),

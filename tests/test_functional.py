@@ -33,25 +33,25 @@ def compare_with_reference(cfg, dtype=torch.float64, tolerance=1e-10):
     assert max_relative_error(grads, ref_grads) <= tolerance
 
 
-@given(configs())
+@given(configs(grouped_query=True))
 def test_float64_matches_reference(cfg):
     compare_with_reference(cfg)
 
 
-@given(configs(max_len=40, max_heads=4), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+@given(configs(max_len=40, max_heads=4, grouped_query=True), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
 def test_low_precision_within_tolerance(cfg, dtype):
     # |scale| > 1 amplifies input rounding beyond the tolerances, which are for scales <= 1.
     cfg = dict(cfg, softmax_scale=None if cfg["softmax_scale"] == -1.3 else cfg["softmax_scale"])
     compare_with_reference(cfg, dtype=dtype, tolerance=TOLERANCES[dtype])
 
 
-@given(configs(), st.integers(1, 300))
+@given(configs(grouped_query=True), st.integers(1, 300))
 def test_blocks_cut_into_many_calls_match_reference(cfg, elements):
     with call_budget(elements):
         compare_with_reference(cfg)
 
 
-@given(configs(max_len=32, max_heads=4))
+@given(configs(max_len=32, max_heads=4, grouped_query=True))
 def test_math_kernel_matches_reference(cfg):
     """The unfused kernel (used for dropout and float64 on CUDA) on the whole pipeline."""
     with forced_kernel(MathKernel):
@@ -223,7 +223,7 @@ def test_nan_in_a_query_reaches_its_output(segment_lengths, dilation_rates):
     assert max_relative_error(out, ref) <= 1e-12 and lse_error(lse, ref_lse) <= 1e-12
 
 
-@given(configs(), st.data())
+@given(configs(grouped_query=True), st.data())
 def test_non_finite_inputs_follow_the_definition(cfg, data):
     """NaN or infinity anywhere in q, k, v, padded or not: padded keys have no effect,
     exactly the rows a non-finite value reaches are NaN (the reference says which),
@@ -306,3 +306,35 @@ def test_torch_func_transforms_are_refused_clearly():
         torch.func.grad(loss)(q.detach())
     with pytest.raises(RuntimeError, match="vmap"):
         torch.func.vmap(lambda q: dilated_attention(q, q, q, [4], [1]))(q.detach()[None])
+
+
+@pytest.mark.parametrize("layout", ["bnhd", "bhnd"])
+def test_grouped_query_keys_are_shared_not_repeated(layout):
+    """8 query heads on 2 key/value heads, branches whose head sets map to key heads
+    by strided views: no operation makes a tensor larger than the keys (repeating
+    them would make one 4 times as large), and the result is the reference's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestTensor(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in result if isinstance(result, (tuple, list)) else [result]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return result
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 3, 8, 16, generator=gen)
+    k, v = (torch.randn(1, 96, 2, 16, generator=gen) for _ in range(2))
+    if layout == "bhnd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    branches = dict(segment_lengths=[16, 32, 64], dilation_rates=[1, 2, 4], is_causal=True, key_offset=64)
+    with LargestTensor() as largest:
+        out = dilated_attention(q, k, v, layout=layout, **branches)
+    assert largest.numel <= k.numel()
+    ref, _ = reference_dilated_attention(*(t.transpose(1, 2) if layout == "bhnd" else t for t in (q, k, v)),
+                                         **branches)
+    ref = ref.transpose(1, 2) if layout == "bhnd" else ref
+    assert max_relative_error(out, ref) <= 1e-5

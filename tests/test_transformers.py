@@ -8,11 +8,13 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask  # noqa: E402
 
 from dilated_attention import reference_dilated_attention  # noqa: E402
-from dilated_attention.integrations.transformers import dilated_attention_forward, register  # noqa: E402
+from dilated_attention.integrations.transformers import DilatedCache, dilated_attention_forward, register  # noqa: E402
 
 BRANCHES = dict(segment_lengths=[4, 8], dilation_rates=[1, 2])
 register("dilated", **BRANCHES)
 register("dilated_one_segment", segment_lengths=[4096], dilation_rates=[1])
+# generate's argument for a cache: renamed in transformers 5
+CACHE_ARGUMENT = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 
 def _reference_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -79,53 +81,88 @@ def test_dilated_layers_and_gradients_match_the_reference(family):
         assert torch.allclose(ga, gb, rtol=1e-9, atol=1e-11)
 
 
-def test_the_attention_function_handles_gqa_left_padding_and_a_key_window():
+def test_the_attention_function_handles_gqa_left_padding_windows_and_holes():
     class Module(torch.nn.Module):
         num_key_value_groups, is_causal = 3, True
 
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(2, 6, 5, 8, generator=gen, dtype=torch.float64)  # (B, H, Lq, D): the last 5 of 19 positions
-    k, v = (torch.randn(2, 2, 19, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    mask = torch.ones(2, 19, dtype=torch.bool)
+    q = torch.randn(3, 6, 5, 8, generator=gen, dtype=torch.float64)  # (B, H, Lq, D): the last 5 of 19 slots
+    k, v = (torch.randn(3, 2, 19, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(3, 19, dtype=torch.bool)
     mask[1, :7] = False  # row 1: 7 padding slots, then tokens at positions 0 .. 11
-    positions = torch.stack([torch.arange(14, 19), torch.arange(7, 12)])
+    mask[2, 3] = False  # row 2: a window of positions 16 .. 34 (as DilatedCache keeps), one key masked
+    positions = torch.stack([torch.arange(14, 19), torch.arange(7, 12), torch.arange(30, 35)])
     out, weights = dilated_attention_forward(Module(), q, k, v, mask, scaling=0.3, position_ids=positions,
                                              mode="mixture", head_offsets="interleaved", **BRANCHES)
-    assert weights is None and out.shape == (2, 5, 6, 8)
-    for row, skip in ((0, 0), (1, 7)):
+    assert weights is None and out.shape == (3, 5, 6, 8)
+    for row, skip, first in ((0, 0, 0), (1, 7, 0), (2, 0, 16)):
         keys = [t[row : row + 1, :, skip:].repeat_interleave(3, dim=1).transpose(1, 2) for t in (k, v)]
         expected, _ = reference_dilated_attention(q[row : row + 1].transpose(1, 2), *keys, is_causal=True,
-                                                  softmax_scale=0.3, **BRANCHES)
+                                                  softmax_scale=0.3, key_padding_mask=~mask[row : row + 1, skip:],
+                                                  key_offset=first, **BRANCHES)
         assert torch.allclose(out[row : row + 1], expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("bounded", [False, True], ids=["default-cache", "DilatedCache"])
 @torch.no_grad()
-def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_nothing(family):
+def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_nothing(family, bounded):
     model = tiny(family)
     model.set_attn_implementation("dilated")
     tokens = torch.randint(0, 61, (2, 13))
     mask = left_padded(tokens, [13, 6])
-    result = model.generate(tokens, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                            output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    # With DilatedCache each layer keeps max(w) - 1 = 7 positions: the window slides
+    # through the prompt and past row 1's padding while generating.
+    cache = {CACHE_ARGUMENT: DilatedCache(model)} if bounded else {}
+    result = model.generate(tokens, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                            output_logits=True, return_dict_in_generate=True, pad_token_id=0, **cache)
     for row, length in enumerate([13, 6]):
         sequence = tokens[row : row + 1, 13 - length :]
-        for step in range(10):
+        for step in range(12):
             logits = model(sequence).logits[0, -1]
             # generate hands its logits out in float32: equal up to that rounding.
             assert torch.allclose(result.logits[step][row], logits.float(), rtol=1e-6, atol=1e-6)
             sequence = torch.cat([sequence, logits.argmax().view(1, 1)], 1)
         assert torch.equal(result.sequences[row, 13:], sequence[0, length:])
+    if bounded:
+        layers = cache[CACHE_ARGUMENT].layers
+        assert len(layers) == 2 and all(layer.keys.shape[2] == max(BRANCHES["segment_lengths"]) - 1 for layer in layers)
+
+
+@torch.no_grad()
+def test_the_bounded_cache_fed_in_chunks_gives_the_full_forward():
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    tokens = torch.randint(0, 61, (2, 41))
+    expected = model(tokens).logits
+    cache = DilatedCache(model)
+    pieces, start = [], 0
+    for size in (9, 1, 5, 13, 1, 1, 11):
+        pieces.append(model(tokens[:, start : start + size], **{CACHE_ARGUMENT: cache}, use_cache=True).logits)
+        start += size
+        # layers x (k, v) x kept positions (max(w) - 1) x batch x key/value heads x head dim x 8 bytes,
+        # in memory of at most twice that (never the whole of a long chunk's keys)
+        kept = 2 * 2 * min(start, 7) * 2 * 2 * 8 * 8
+        assert kept <= cache.nbytes <= 2 * kept
+    got = torch.cat(pieces, 1)
+    assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-12
+
+
+def test_the_bounded_cache_needs_a_registration():
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="not a dilated attention registration"):
+        DilatedCache(model)  # still "eager"/"sdpa"
+    assert DilatedCache(model, name="dilated").window == 8
+    with pytest.raises(TypeError, match="transformers model or config"):
+        DilatedCache("llama")
 
 
 def test_unsupported_uses_are_refused_clearly():
     model = tiny("llama")
     model.set_attn_implementation("dilated")
     tokens = torch.randint(0, 61, (2, 9))
-    holes = torch.ones(2, 9, dtype=torch.long)
-    holes[0, 4] = 0
-    with pytest.raises(ValueError, match="not between tokens"):
-        model(tokens, attention_mask=holes)
+    with pytest.raises(ValueError, match="dropped keys still needed"):  # a fresh sequence starting at 5
+        model(tokens, position_ids=torch.arange(5, 14).expand(2, -1))
     with pytest.raises(ValueError, match="packed sequences"):
         model(tokens, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5]] * 2))
     with pytest.raises(ValueError, match="output_attentions"):

@@ -16,7 +16,7 @@ from dilated_attention.plan import window_start_needed
 def windows(draw, max_len=40):
     """A causal configuration, a sequence, how many of its last positions are queries,
     and where the key window starts (anywhere from 0 to the latest start allowed)."""
-    cfg = draw(configs(max_len=max_len))
+    cfg = draw(configs(max_len=max_len, grouped_query=True))
     cfg["is_causal"] = True
     total = cfg["seq_len"]
     queries = draw(st.integers(1, total))

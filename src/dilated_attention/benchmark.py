@@ -145,12 +145,27 @@ class PeakMemory:
             self._before = _proc_status_kb("VmRSS") * 1024
         return self
 
-    def __exit__(self, *exc):
+    def _peak_added(self) -> int:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.added = torch.cuda.max_memory_allocated(self.device) - self._before
+            return torch.cuda.max_memory_allocated(self.device) - self._before
+        return _proc_status_kb("VmHWM") * 1024 - self._before
+
+    def restart(self) -> int:
+        """The peak added so far; from now on the peak is taken afresh (over the same
+        baseline), so that :attr:`added` covers only what follows."""
+        peak = self._peak_added()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            self.added = _proc_status_kb("VmHWM") * 1024 - self._before
+            _trim_heap()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        return peak
+
+    def __exit__(self, *exc):
+        self.added = self._peak_added()
+        if self.device.type != "cuda":
             _set_malloc_thresholds(GLIBC_DEFAULT_THRESHOLD_BYTES)
         return False
 

@@ -23,14 +23,14 @@ written once, with the final ``1 / G`` applied as it is written.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from .dropout import DropoutMask, column_keys, row_keys
 from .kernels import accumulator
-from .plan import Block, Rows
+from .plan import Block, Rows, key_heads
 
 
 @dataclass(frozen=True)
@@ -166,12 +166,12 @@ def _clean(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad):
 
 def _reached_rows(bad, pad: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
     """Query rows ``(B', h, Lq)`` that a non-finite value reaches: one in the query
-    itself, or in an unpadded key it attends to."""
+    itself, or in an unpadded key it attends to (key flags ``(B', h_k, Lk)``)."""
     bad_q, bad_k = bad
     if pad is not None:
         bad_k = bad_k & ~pad[:, None, :]
     reached = bad_k.cumsum(-1) > 0 if is_causal else bad_k.any(-1, keepdim=True)
-    return bad_q | reached
+    return bad_q | reached.repeat_interleave(bad_q.shape[1] // bad_k.shape[1], dim=1)
 
 
 def _append_column(t: torch.Tensor, column) -> torch.Tensor:
@@ -183,10 +183,46 @@ def _append_column(t: torch.Tensor, column) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class KeyRows:
+    """The key/value rows of a block: ``rows`` of ``k, v``, then, when ``index`` is
+    set, their heads ``index`` (gathered: grouped-query heads no view can express).
+    With fewer key/value heads than query heads, each selected key head serves
+    ``h / h_k`` consecutive query heads of the block (the kernels broadcast it)."""
+
+    rows: Rows
+    index: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, rows: Rows, num_heads: int, groups: int) -> "KeyRows":
+        """The key rows for the query heads of ``rows`` (indices among ``num_heads``),
+        each ``groups`` consecutive query heads sharing one key/value head."""
+        if groups == 1:
+            return cls(rows)
+        kv, _, index = key_heads(rows.heads.indices(num_heads), groups)
+        if index is None:
+            return cls(replace(rows, heads=slice(*kv)))
+        return cls(replace(rows, heads=slice(0, num_heads // groups)), torch.tensor(index))
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, nseg, count, h_k, ...)``: a view, or a copy of the gathered heads."""
+        view = self.rows.select(x)
+        return view if self.index is None else view.index_select(3, self.index.to(x.device))
+
+    def add_into(self, dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+        """``dst[these rows] += scale * src`` (``src`` as :meth:`select` returns)."""
+        view = self.rows.select(dst)
+        if self.index is None:
+            view.add_(src, alpha=scale)
+        else:
+            view.index_add_(3, self.index.to(dst.device), src.to(dst.dtype), alpha=scale)
+
+
 @dataclass
 class _Call:
     """One kernel call's inputs, in kernel layout: ``q`` ``(B', h, Lq, D)``, ``k, v``
-    ``(B', h, Lk, D)``, ``pad`` ``(B', Lk)``, ``bad`` (query and key non-finite rows)."""
+    ``(B', h_k, Lk, D)`` (``h_k`` divides ``h``), ``pad`` ``(B', Lk)``, ``bad`` (query
+    and key non-finite rows); ``keys``: where ``k, v`` came from."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -195,37 +231,38 @@ class _Call:
     bad: Optional[tuple[torch.Tensor, torch.Tensor]]
     is_causal: bool
     dropout: Optional[DropoutMask]
+    keys: KeyRows
 
 
-def _call(cfg: EngineConfig, block: Block, q, bad_q, source: KeySource, seed) -> _Call:
-    """Gather the rows of one block (strided views; nothing is copied)."""
+def _call(cfg: EngineConfig, block: Block, q, bad_q, source: KeySource, seed, groups: int = 1) -> _Call:
+    """Gather the rows of one block (strided views; nothing is copied but the key
+    heads of grouped-query attention that no view can express). ``groups``: query
+    heads per key/value head of the call's own ``k, v``."""
     batch = q.shape[0]
-    keys = block.keys
-    pad = None if source.padding is None else keys.select(source.padding).flatten(0, 1)
+    keys = KeyRows.of(block.keys, q.shape[2], groups)
+    pad = None if source.padding is None else block.keys.select(source.padding).flatten(0, 1)
     bad = None
     if bad_q is not None or source.bad is not None:
         query_flags = block.queries.select(bad_q) if bad_q is not None else None
         key_flags = keys.select(source.bad) if source.bad is not None else None
-        query_flags = _zeros_like_rows(key_flags, block.queries) if query_flags is None else query_flags
-        key_flags = _zeros_like_rows(query_flags, keys) if key_flags is None else key_flags
+        if query_flags is None:
+            query_flags = key_flags.new_zeros(*key_flags.shape[:2], block.queries.count, block.queries.head_count)
+        if key_flags is None:
+            key_heads = keys.rows.head_count if keys.index is None else len(keys.index)
+            key_flags = query_flags.new_zeros(*query_flags.shape[:2], block.keys.count, key_heads)
         bad = (_to_kernel(query_flags), _to_kernel(key_flags))
     dropout = None
     if seed is not None:
         positions = cfg.query_position + block.queries.positions(q.device)
         heads = torch.arange(q.shape[2], device=q.device)[block.queries.heads]
         rows = torch.arange(batch) if cfg.batch_rows is None else torch.tensor(cfg.batch_rows)
-        columns = column_keys(source.positions(keys)).expand(batch, -1, -1).flatten(0, 1).unsqueeze(1)
+        columns = column_keys(source.positions(block.keys)).expand(batch, -1, -1).flatten(0, 1).unsqueeze(1)
         keys_of_rows = row_keys(seed, rows.to(q.device), heads, positions)
         dropout = DropoutMask(cfg.dropout_p, _to_kernel(keys_of_rows), columns)
     return _Call(
         _to_kernel(block.queries.select(q)), _to_kernel(keys.select(source.k)), _to_kernel(keys.select(source.v)),
-        pad, bad, block.is_causal, dropout,
+        pad, bad, block.is_causal, dropout, keys,
     )
-
-
-def _zeros_like_rows(flags: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """All-False flags ``(B, nseg, count, h)`` for ``rows``, shaped after ``flags``."""
-    return flags.new_zeros(flags.shape[0], rows.nseg, rows.count, rows.head_count)
 
 
 def _attend(cfg: EngineConfig, call: _Call):
@@ -329,10 +366,11 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
     lse = _buffer((batch, length, heads), accumulator(q.dtype), q.device, cfg, -math.inf)
     bad_q = nonfinite_rows(q)
     sources = [KeySource(k, v, padding, cfg.key_position, bad=_key_flags(k, v, key_flags, cfg))]
+    groups = heads // k.shape[2]  # grouped-query attention (one process only)
 
     def run(blocks):
         for block in _calls(blocks, cfg.max_call_elements, batch, dim):
-            o, l = _attend(cfg, _call(cfg, block, q, bad_q, sources[block.source], seed))
+            o, l = _attend(cfg, _call(cfg, block, q, bad_q, sources[block.source], seed, groups))
             o, l = _from_kernel(o, batch), _from_kernel(l, batch)
             out_view, lse_view = block.queries.select(out), block.queries.select(lse)
             if block.fresh:
@@ -367,7 +405,7 @@ def engine_backward(
     remote_sources, remote_blocks = exchange.received if exchange is not None else ([], [])
     acc = _accumulation_dtype(q.dtype, cfg, exchange is not None)
     grad_q = _buffer(q.shape, acc, q.device, cfg, 0.0)
-    keys_fresh = _keys_are_queries(cfg)
+    keys_fresh = _keys_are_queries(cfg) and k.shape[2] == q.shape[2]  # shared key heads add up
     if keys_fresh:
         grad_k, grad_v = (_buffer(t.shape, acc, t.device, cfg, 0.0) for t in (k, v))
     else:
@@ -386,25 +424,28 @@ def engine_backward(
     sources = [KeySource(k, v, padding, cfg.key_position, bad=_key_flags(k, v, key_flags, cfg)), *remote_sources]
 
     def block_grads(block: Block):
-        """``dq, dk, dv`` of one block, ``(B, nseg, rows, h, D)`` each."""
+        """``dq, dk, dv`` of one block, ``(B, nseg, rows, h or h_k, D)``, and its key rows."""
         ob, gb, lb = (_to_kernel(block.queries.select(t)) for t in (out, grad_out, lse))
         ob = ob / cfg.out_scale if cfg.out_scale != 1.0 else ob
         glb = None if lse_grad is None else _to_kernel(block.queries.select(lse_grad))
-        call = _call(cfg, block, q, bad_q, sources[block.source], seed)
-        return [_from_kernel(g, batch) for g in _attend_backward(cfg, call, gb, ob, lb, glb)]
+        call = _call(cfg, block, q, bad_q, sources[block.source], seed, q.shape[2] // k.shape[2])
+        return [_from_kernel(g, batch) for g in _attend_backward(cfg, call, gb, ob, lb, glb)], call.keys
 
     remote_dq, remote_key_grads = [], []
     for block in remote_blocks:  # one block per received source, in order
-        dq, dk, dv = block_grads(block)
+        (dq, dk, dv), _ = block_grads(block)
         remote_dq.append((block, dq))  # added after the local blocks, whose fresh writes come first
         remote_key_grads.append(tuple(g.squeeze(1) * cfg.out_scale for g in (dk, dv)))
     if exchange is not None:
         exchange.start_backward(remote_key_grads)
     for block in _calls(cfg.blocks, cfg.max_call_elements, batch, dim):
-        dq, dk, dv = block_grads(block)
+        (dq, dk, dv), keys = block_grads(block)
         _write(block.queries.select(grad_q), dq, block.fresh, cfg.out_scale)
         for grad, block_grad in ((grad_k, dk), (grad_v, dv)):
-            _write(block.keys.select(grad), block_grad, block.fresh and keys_fresh, cfg.out_scale)
+            if block.fresh and keys_fresh:
+                _write(block.keys.select(grad), block_grad, True, cfg.out_scale)
+            else:
+                keys.add_into(grad, block_grad, cfg.out_scale)
     for block, dq in remote_dq:
         _write(block.queries.select(grad_q), dq, False, cfg.out_scale)
     if exchange is not None:

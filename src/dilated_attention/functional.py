@@ -43,8 +43,10 @@ def dilated_attention(
     Args:
         q: ``(B, Lq, H, D)`` = (batch, seq_len, heads, head_dim), or with
             ``layout="bhnd"`` ``(B, H, Lq, D)`` (PyTorch SDPA's layout); any strides.
-        k, v: ``(B, Lk, H, D)`` (or ``(B, H, Lk, D)``), ``Lk >= Lq``; the same dtype
-            and device as ``q``. Usually ``Lq = Lk``: self-attention over one sequence.
+        k, v: ``(B, Lk, H_kv, D)`` (or ``(B, H_kv, Lk, D)``), ``Lk >= Lq``; the same
+            dtype and device as ``q``. ``H_kv = H``, or fewer heads that divide ``H``
+            (grouped-query attention): query head ``j`` then uses key/value head
+            ``j // (H / H_kv)``, and the keys are shared, not repeated. Usually ``Lq = Lk``: self-attention over one sequence.
             With ``is_causal``, ``q`` may hold only the *last* ``Lq`` of the keys'
             positions (a prefill chunk, a decode step).
         segment_lengths: ``w_i >= 1`` per branch (``w > N`` means one segment).
@@ -109,6 +111,12 @@ def dilated_attention(
 
         try:
             call, dropout, want_lse = validate()
+            if call.k.shape[2] != call.shape[2]:
+                raise ValueError(
+                    f"process_group takes as many key/value heads as query heads, got {call.k.shape[2]} and "
+                    f"{call.shape[2]}: repeat each key/value head for its query heads (grouped-query attention "
+                    "across processes is not supported)"
+                )
             if call.num_keys != call.shape[1] or any(call.key_offsets):
                 raise ValueError(
                     "process_group takes shards of one whole sequence: q, k, v of one length and "

@@ -20,6 +20,12 @@ the caller's to mark: the fused kernels report ``lse = 0`` for them, and the
 backward expects ``lse = +inf`` there (which makes every probability of the row 0).
 ``dropout`` is ``None`` or a :class:`dilated_attention.dropout.DropoutMask`.
 
+Grouped-query attention: ``k, v`` may have fewer heads ``h_k`` than ``q`` (``h_k``
+divides ``h``); query head ``i`` then attends with key head ``i // (h / h_k)``, and
+``dk, dv`` come back with ``h_k`` heads. The CPU flash ops do this themselves; for
+the others each key head is repeated for its query heads within the call (a copy
+of the call's keys only) and the key gradients are summed back.
+
 Three kernels share this interface:
 
 - ``CpuFlashKernel``: PyTorch's fused CPU flash-attention ops (any float dtype).
@@ -53,6 +59,28 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _repeating_key_heads(kernel: type) -> type:
+    """``kernel``, made to take ``k, v`` with fewer heads than ``q``: each key head is
+    repeated for the query heads that share it, and its gradients are summed back."""
+    forward, backward = kernel.forward, kernel.backward
+
+    def forward_shared(q, k, v, *args, **kwargs):
+        share = q.shape[1] // k.shape[1]
+        if share > 1:
+            k, v = (t.repeat_interleave(share, dim=1) for t in (k, v))
+        return forward(q, k, v, *args, **kwargs)
+
+    def backward_shared(dout, q, k, v, *args, **kwargs):
+        share = q.shape[1] // k.shape[1]
+        if share == 1:
+            return backward(dout, q, k, v, *args, **kwargs)
+        dq, dk, dv = backward(dout, q, *(t.repeat_interleave(share, dim=1) for t in (k, v)), *args, **kwargs)
+        return (dq, *(g.unflatten(1, (-1, share)).sum(2, dtype=accumulator(g.dtype)).to(g.dtype) for g in (dk, dv)))
+
+    kernel.forward, kernel.backward = staticmethod(forward_shared), staticmethod(backward_shared)
+    return kernel
+
+
 def _query_chunks(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
     """Consecutive query rows whose scores against all keys fit :data:`MATH_CHUNK_ELEMENTS`."""
     length = q.shape[2]
@@ -60,6 +88,7 @@ def _query_chunks(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
     return [slice(start, min(start + step, length)) for start in range(0, length, step)]
 
 
+@_repeating_key_heads
 class MathKernel:
     """Explicit softmax attention; supports dropout and every device and dtype."""
 
@@ -193,6 +222,7 @@ def _cuda_lse_width(length: int) -> int:
     return length if torch.version.hip else round_up(length, CUDA_LSE_ALIGNMENT)
 
 
+@_repeating_key_heads
 class CudaEfficientKernel:
     """PyTorch's fused CUDA memory-efficient attention (no dropout). The scale is
     always passed explicitly, so padding the head dim does not change it."""
@@ -227,6 +257,9 @@ class CudaEfficientKernel:
         dq = dq[..., :dim]
         return (dq if sign == 1.0 else dq * sign), dk[..., :dim], dv[..., :dim]
 
+
+if torch.__version__ < "2.5":  # the CPU flash ops broadcast key heads from PyTorch 2.5 on
+    CpuFlashKernel = _repeating_key_heads(CpuFlashKernel)
 
 KERNELS = (CpuFlashKernel, CudaEfficientKernel, MathKernel)
 

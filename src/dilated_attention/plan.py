@@ -196,6 +196,26 @@ def _part(first: int, stop: int, segment_start: int, offset: int, rate: int, ori
     return Rows.strided(first - origin + local_offset, count, rate, heads) if count else None
 
 
+@functools.lru_cache(maxsize=4096)
+def key_heads(heads: tuple[int, int, int], groups: int) -> tuple[tuple[int, int, int], int, Optional[tuple[int, ...]]]:
+    """Grouped-query attention: the key/value heads of the query heads ``range(*heads)``
+    when each ``groups`` consecutive query heads share one key/value head.
+
+    Returns ``(kv_heads, share, None)`` when query head ``i`` of ``heads`` uses key head
+    ``i // share`` of ``range(*kv_heads)`` (a strided view; the kernels broadcast each
+    key head over ``share`` query heads), else ``(None, 1, index)``: query head ``i``
+    uses key head ``index[i]`` (the keys are gathered)."""
+    kv = [head // groups for head in range(*heads)]
+    share = next((i for i, h in enumerate(kv) if h != kv[0]), len(kv))  # the first run's length
+    firsts = kv[::share]
+    steps = {b - a for a, b in zip(firsts, firsts[1:])} or {1}
+    if len(kv) % share == 0 and all(h == firsts[i // share] for i, h in enumerate(kv)) and len(steps) == 1:
+        step = steps.pop()
+        if step > 0:
+            return (firsts[0], firsts[-1] + 1, step), share, None
+    return None, 1, tuple(kv)
+
+
 def window_start_needed(query_position: int, segment_lengths: Sequence[int]) -> int:
     """The earliest key position that queries from ``query_position`` on may see: the
     start of the segment holding it, in the branch where that is earliest."""

@@ -149,6 +149,7 @@ def _dense_dilated_attention(
     """:func:`reference_dilated_attention` on valid arguments, with each branch's head
     ``offsets``; ``v`` may have its own last dim."""
     q, k, v = (t.to(torch.float64).transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))  # grouped-query heads
     batch, _, num_queries, _ = q.shape
     num_keys = k.shape[2]
     key_positions = torch.tensor(key_offsets)[:, None] + torch.arange(num_keys)  # (B, Lk)

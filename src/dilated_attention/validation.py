@@ -133,7 +133,8 @@ def check_flag(value, name: str) -> bool:
 
 def check_qkv(q, k, v, layout: str = "bnhd") -> None:
     """``q, k, v``: 4-D tensors in ``layout`` of one dtype and device; ``k`` and ``v``
-    of one shape, ``q`` of theirs but for its length (checked by the caller)."""
+    of one shape, ``q`` of theirs but for its length (checked by the caller) and its
+    heads, a multiple of theirs (grouped-query attention)."""
     dims = LAYOUTS[layout]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -148,11 +149,13 @@ def check_qkv(q, k, v, layout: str = "bnhd") -> None:
             raise ValueError(f"{name} must have every dim >= 1, got shape {tuple(t.shape)} {dims}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)} {dims}")
-    length = 2 if layout == "bhnd" else 1
-    if q.shape[:length] + q.shape[length + 1 :] != k.shape[:length] + k.shape[length + 1 :]:
+    heads = 1 if layout == "bhnd" else 2
+    batch_and_dim = [(t.shape[0], t.shape[3]) for t in (q, k)]
+    if batch_and_dim[0] != batch_and_dim[1] or q.shape[heads] % k.shape[heads]:
         raise ValueError(
-            f"k must have the shape of q {tuple(q.shape)} but for its length, got {tuple(k.shape)} {dims}: "
-            "dilated attention is self-attention over one sequence"
+            f"k must have the shape of q {tuple(q.shape)} but for its length (and, for grouped-query "
+            f"attention, a number of heads that divides q's), got {tuple(k.shape)} {dims}: dilated attention "
+            "is self-attention over one sequence"
         )
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
@@ -239,7 +242,8 @@ def check_head_groups(num_heads: int, num_branches: int) -> None:
 
 @dataclass(frozen=True)
 class Attention:
-    """A validated call. ``q`` ``(B, Lq, H, D)``, ``k, v`` ``(B, Lk, H, D)``, ``padding``
+    """A validated call. ``q`` ``(B, Lq, H, D)``, ``k, v`` ``(B, Lk, H_kv, D)`` (``H_kv``
+    divides ``H``), ``padding``
     ``(B, Lk)`` bool or ``None``; ``key_offsets``: the position of ``k``'s first row,
     per batch row (the queries are the last ``Lq`` positions)."""
 

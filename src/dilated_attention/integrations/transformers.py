@@ -11,20 +11,27 @@ What the function does with what ``transformers`` passes:
 
 - ``(B, H, L, D)`` inputs go in as they are (``layout="bhnd"``); the output is
   ``(B, L, H, D)``, as the interface expects.
-- Grouped-query attention (``module.num_key_value_groups > 1``): each key/value head is
-  repeated for its query heads (a copy of the keys; the engine does not share key
-  heads yet).
+- Grouped-query attention (fewer key/value heads than query heads): the keys go in
+  as they are; the engine shares each key/value head among its query heads without
+  repeating it (a kernel call gathers a few key heads only where a branch's query
+  heads map to key heads in a pattern no strided view expresses).
 - ``scaling`` is the softmax scale, ``dropout`` the attention dropout (``transformers``
   passes 0 in eval mode).
 - Causal only: a module with ``is_causal=False`` (an encoder, cross-attention) is
   refused.
+- Positions come from the queries' ``position_ids``: key slot ``i`` is position
+  ``position_ids[-1] - (Lk - 1 - i)``, so segments follow each sequence's own
+  positions and the keys may be a window of the sequence (:class:`DilatedCache`).
+  A left-padded row's first real token is position 0 (as ``generate`` numbers it);
+  its padding attends to nothing and outputs 0. Without ``position_ids`` the keys
+  are positions ``0 .. Lk - 1``. ``position_ids`` that do not count up by one along
+  a row's tokens (packed sequences) are refused, as are keys that no longer reach
+  back to where the first query's segments start (a cache that dropped them).
 - The attention mask is the 2-D padding mask (``True`` = token), as ``transformers``
-  builds it for this registration. Segments follow each sequence's own positions: a
-  left-padded row's first real token is position 0 (as the ``position_ids`` that
-  ``generate`` makes say), its padding attends to nothing and outputs 0. Padding at
-  the end of a row (right padding, unfilled cache slots) is masked out. A mask with
-  padding between tokens, or ``position_ids`` that disagree (packed sequences), is
-  refused.
+  builds it for this registration; a padded key at a position ``>= 0`` is the
+  library's key padding (no effect at all).
+- Each call gets only the keys from the earliest one its queries attend to, so a
+  decode step costs ``O(max(segment_lengths))`` whatever the cache holds.
 - ``output_attentions``, ``softcap``, ``sliding_window`` and 4-D masks are refused with
   a ``ValueError``: dilated attention forms no weight matrix and has its own sparsity.
 """
@@ -38,6 +45,18 @@ import torch
 
 from .. import validation
 from ..functional import dilated_attention
+from ..plan import window_start_needed
+
+try:
+    from transformers import AttentionInterface, PretrainedConfig
+    from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("the transformers integration needs transformers >= 4.57: "
+                      "pip install 'dilated-attention[hf]'") from exc
+
+# name -> the options it was registered with
+_REGISTERED: dict[str, dict] = {}
 
 
 def register(
@@ -56,17 +75,66 @@ def register(
     segs, rates = validation.check_branches(segment_lengths, dilation_rates)
     options = dict(segment_lengths=segs, dilation_rates=rates, mode=validation.check_mode(mode),
                    head_offsets=validation.check_head_offsets(head_offsets))
-    try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-    except ImportError as exc:
-        raise ImportError("the transformers integration needs transformers >= 4.57: "
-                          "pip install 'dilated-attention[hf]'") from exc
     AttentionInterface.register(name, functools.partial(dilated_attention_forward, **options))
     # The mask transformers builds for flash attention: None without padding, else the
     # 2-D padding mask (True = token) over the keys.
     AttentionMaskInterface.register(name, flash_attention_mask)
+    _REGISTERED[name] = options
     return name
+
+
+class _WindowLayer(DynamicSlidingWindowLayer):
+    """``transformers``' sliding-window cache layer, whose kept window never holds on
+    to the memory of a long chunk it was cut from (after a prefill, the layer keeps a
+    view of the whole prompt's keys until the next step)."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        for name in ("keys", "values"):
+            kept = getattr(self, name)
+            if kept.untyped_storage().nbytes() > 2 * kept.numel() * kept.element_size():
+                setattr(self, name, kept.clone())
+        return keys, values
+
+
+class DilatedCache(Cache):
+    """A ``transformers`` cache for a model running a registered dilated attention:
+    every layer keeps only the last ``max(segment_lengths) - 1`` positions (a query
+    never attends further back), so generation memory stays constant however long
+    the text grows. Pass it to ``generate`` (``cache=`` in ``transformers`` 5.x,
+    ``past_key_values=`` in 4.x) or to the model's forward.
+
+    ``model``: the model (or its config) after ``set_attn_implementation(name)``, or
+    any model or config together with the registration's ``name``. Built on
+    ``transformers``' sliding-window cache layer; the attention function places the
+    window from the queries' ``position_ids``."""
+
+    def __init__(self, model, name: Optional[str] = None):
+        config = getattr(model, "config", model)
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"model must be a transformers model or config, got {validation.type_name(model)}")
+        name = config._attn_implementation if name is None else name
+        if name not in _REGISTERED:
+            raise ValueError(f"{name!r} is not a dilated attention registration (registered: "
+                             f"{sorted(_REGISTERED)}): call register() and model.set_attn_implementation(name), "
+                             "or pass name=")
+        # The layer keeps sliding_window - 1 positions; at least one (a window of 1 keeps all).
+        self.window = max(2, max(_REGISTERED[name]["segment_lengths"]))
+        num_layers = config.get_text_config(decoder=True).num_hidden_layers
+        super().__init__(layers=[_WindowLayer(sliding_window=self.window) for _ in range(num_layers)])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory the keys and values hold on to."""
+        return held_bytes(self)
+
+
+def held_bytes(cache: Cache) -> int:
+    """Bytes of memory (whole storages, each counted once) the keys and values of a
+    ``transformers`` cache hold on to."""
+    held = [t for layer in cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    return sum(storages.values())
 
 
 def dilated_attention_forward(
@@ -86,21 +154,23 @@ def dilated_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The ``transformers`` attention function: ``query`` ``(B, H, Lq, D)``, ``key,
-    value`` ``(B, H_kv, Lk, D)`` (the queries are the last ``Lq`` of the ``Lk``
-    positions) -> ``((B, Lq, H, D), None)``."""
+    value`` ``(B, H_kv, Lk, D)`` (the queries are the last ``Lq`` of the ``Lk`` key
+    slots; the keys may be a window of the sequence, as :class:`DilatedCache` keeps)
+    -> ``((B, Lq, H, D), None)``."""
     _refuse_unsupported(module, attention_mask, is_causal, kwargs)
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    batch, _, num_queries, _ = query.shape
+    num_keys = key.shape[2]
+    mask = None if attention_mask is None else attention_mask.bool()
+    if mask is not None and mask.shape != (batch, num_keys):
+        raise ValueError(
+            f"the padding mask has shape {tuple(mask.shape)}, expected (batch, keys) = {(batch, num_keys)}"
+        )
+    first = _first_key_positions(kwargs.get("position_ids"), mask, batch, num_queries, num_keys)
+    _check_keys_reach_back(first, num_keys - num_queries, segment_lengths)
     options = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
                    head_offsets=head_offsets, is_causal=True, softmax_scale=scaling, dropout_p=dropout,
                    layout="bhnd")
-    if attention_mask is None:
-        _check_positions_are_indices(kwargs.get("position_ids"), key.shape[2], query.shape[2])
-        out = dilated_attention(query, key, value, **options)
-    else:
-        out = _padded_rows(query, key, value, attention_mask.bool(), kwargs.get("position_ids"), options)
-    return out.transpose(1, 2), None
+    return _attend_rows(query, key, value, mask, first, segment_lengths, options).transpose(1, 2), None
 
 
 def _refuse_unsupported(module, attention_mask, is_causal, kwargs) -> None:
@@ -119,67 +189,82 @@ def _refuse_unsupported(module, attention_mask, is_causal, kwargs) -> None:
                          "mask: register the function with register(), which sets the mask transformers builds")
 
 
-def _check_positions_are_indices(position_ids, num_keys: int, num_queries: int) -> None:
-    """Without padding, the queries' ``position_ids`` must be their indices among the keys."""
+def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_keys: int) -> torch.Tensor:
+    """``(B,)`` int64: the sequence position of each row's first key slot, from the
+    queries' ``position_ids`` (slot ``i`` is position ``first + i``); 0 without them.
+    Negative where a row's first token (position 0) comes after left padding."""
     if position_ids is None:
-        return
-    indices = torch.arange(num_keys - num_queries, num_keys, device=position_ids.device)
-    if position_ids.shape[-1] != num_queries or not bool((position_ids == indices).all()):
+        return torch.zeros(batch, dtype=torch.int64)
+    if position_ids.dim() not in (1, 2) or position_ids.shape[-1] != num_queries or (
+        position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch)
+    ):
+        raise ValueError(f"position_ids must have shape (batch, queries) = {(batch, num_queries)} or "
+                         f"(1, {num_queries}), got {tuple(position_ids.shape)}")
+    slots = torch.arange(num_keys - num_queries, num_keys, device=position_ids.device)
+    first = position_ids.reshape(-1, num_queries).expand(batch, -1) - slots  # per query: its row's first slot
+    real = torch.ones_like(first, dtype=torch.bool) if mask is None else mask[:, num_keys - num_queries :]
+    real = real.to(first.device)
+    row_first = first.gather(1, real.int().argmax(1, keepdim=True))  # at each row's first real query
+    agree = (first == row_first) | ~real
+    if not bool(agree.all()):
+        row = int((~agree.all(1)).nonzero()[0])
         raise ValueError(
-            "position_ids must be the tokens' places in their sequence (0, 1, 2, ... over the keys); packed "
-            "sequences and other positions are not supported"
+            "position_ids must number each row's tokens consecutively (0, 1, 2, ... from its first token, or "
+            "from its first slot); packed sequences and other positions are not supported (row "
+            f"{row}: slot minus position = {sorted(set((-first[row][real[row]]).tolist()))})"
         )
+    return row_first.squeeze(1).cpu()
 
 
-def _padded_rows(query, key, value, mask, position_ids, options) -> torch.Tensor:
-    """Attention of rows with padding at their start and end. A row whose first token
-    is at position 0 (``position_ids`` as ``generate`` makes them) attends as the
-    sequence that starts after its ``p`` padding keys (one call per distinct ``p``); a
-    row whose positions are its indices (no ``position_ids``, or ``0 ..`` across the
-    padding) keeps its keys in place, the padding masked."""
-    batch, _, num_queries, _ = query.shape
-    num_keys = key.shape[2]
-    if mask.shape != (batch, num_keys):
-        raise ValueError(
-            f"the padding mask has shape {tuple(mask.shape)}, expected (batch, keys) = {(batch, num_keys)}"
-        )
-    tokens = mask.sum(1)
-    left = mask.int().argmax(1).where(tokens > 0, torch.full_like(tokens, num_keys))  # leading padding per row
-    steps = torch.arange(num_keys, device=mask.device)
-    if not torch.equal(mask, (steps >= left[:, None]) & (steps < (left + tokens)[:, None])):
-        raise ValueError("dilated attention takes padding only at the start or the end of a row, not between tokens")
-    shift = _position_shift(position_ids, mask, left, num_keys - num_queries)
-    groups = sorted(set(shift.tolist()))
-    out = None if groups == [0] else query.new_zeros(query.shape)
-    for skip in groups:  # rows that attend from key `skip` on (0: all their keys, padding masked)
-        rows = None if out is None else (shift == skip).nonzero().flatten()
-        q, k, v, m = (t if rows is None else t[rows] for t in (query, key, value, mask))
-        real_queries = min(num_queries, num_keys - skip)
-        q, k, v, padding = q[:, :, num_queries - real_queries :], k[:, :, skip:], v[:, :, skip:], ~m[:, skip:]
-        result = dilated_attention(q, k, v, key_padding_mask=padding if bool(padding.any()) else None, **options)
+def _check_keys_reach_back(first: torch.Tensor, first_query_slot: int, segment_lengths) -> None:
+    """Every row's keys must start where its first query's segments start (or before)."""
+    for row, position in enumerate(first.tolist()):
+        query = position + first_query_slot
+        if position > 0 and position > window_start_needed(query, segment_lengths):
+            raise ValueError(
+                f"row {row}: the keys start at position {position}, but the query at position {query} attends "
+                f"from position {window_start_needed(query, segment_lengths)}: the cache dropped keys still "
+                "needed (use DilatedCache, which keeps max(segment_lengths) - 1 of them), or position_ids do "
+                "not start at 0"
+            )
+
+
+def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, options) -> torch.Tensor:
+    """``(B, H, Lq, D)``. Rows whose keys start at a position ``>= 0`` go in one call
+    (per-row ``key_offset``); rows whose first token follows ``p`` padding slots
+    (``first = -p``) in one call per ``p``, their padding queries 0. Each call gets
+    only the keys from the earliest one its queries attend to (a decode step attends
+    to fewer than ``max(segment_lengths)``, however many the cache holds). Padded
+    keys at positions ``>= 0`` are the library's key padding."""
+    num_queries, num_keys = query.shape[2], key.shape[2]
+    first_query_slot = num_keys - num_queries
+    starts = first.tolist()
+    groups = [[row for row, start in enumerate(starts) if start >= 0]]
+    groups += [[row for row, s in enumerate(starts) if s == start] for start in sorted(set(starts)) if start < 0]
+    groups = [rows for rows in groups if rows]
+    out = None if len(groups) == 1 else query.new_zeros(query.shape)
+    for rows in groups:
+        # slot of the earliest key a query of these rows attends to (positions < 0 are padding)
+        drop = min(window_start_needed(max(starts[row] + first_query_slot, 0), segment_lengths) - starts[row]
+                   for row in rows)
+        skip = -min(starts[rows[0]], 0)  # padding slots before the first token
+        if mask is not None and skip and bool(mask[rows, :skip].any()):
+            raise ValueError("position_ids put a row's first token after slots the attention mask marks as "
+                             "tokens: the mask and position_ids disagree")
+        if drop >= num_keys:
+            continue  # only padding queries: they output 0
+        picked = None if out is None else torch.tensor(rows, device=query.device)
+        q, k, v, m = (t if picked is None or t is None else t[picked] for t in (query, key, value, mask))
+        queries = slice(max(drop - first_query_slot, 0), num_queries)
+        offsets = first[rows] + drop
+        result = _attend(q[:, :, queries], k[:, :, drop:], v[:, :, drop:], None if m is None else m[:, drop:],
+                         offsets if len(set(offsets.tolist())) > 1 else int(offsets[0]), options)
         if out is None:
             return result
-        out[rows, :, num_queries - real_queries :] = result
+        out[picked, :, queries] = result
     return out
 
 
-def _position_shift(position_ids, mask, left, first_query) -> torch.Tensor:
-    """Per row, 0 if its tokens sit at their indices, ``left`` if its first token is at
-    position 0; anything else is refused."""
-    if position_ids is None:
-        return torch.zeros_like(left)
-    batch, num_queries = mask.shape[0], position_ids.shape[-1]
-    index = first_query + torch.arange(num_queries, device=mask.device).expand(batch, -1)
-    real = mask.gather(1, index)
-    offset = index - position_ids.to(mask.device).expand(batch, -1)  # index - position, on real queries
-    in_place = ((offset == 0) | ~real).all(1)
-    counted = ((offset == left[:, None]) | ~real).all(1)
-    if not bool((in_place | counted).all()):
-        row = int((~(in_place | counted)).nonzero()[0])
-        raise ValueError(
-            "position_ids must number each row's tokens consecutively from 0, either from its first token "
-            "(as generate does after left padding) or from its first slot; packed sequences and other "
-            f"positions are not supported (row {row}: token index minus position = "
-            f"{sorted(set(offset[row][real[row]].tolist()))})"
-        )
-    return torch.where(in_place, torch.zeros_like(left), left)
+def _attend(q, k, v, mask, key_offset, options) -> torch.Tensor:
+    padding = None if mask is None or bool(mask.all()) else ~mask
+    return dilated_attention(q, k, v, key_padding_mask=padding, key_offset=key_offset, **options)
