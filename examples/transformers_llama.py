@@ -9,9 +9,10 @@ import argparse
 import time
 
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dilated_attention.integrations.transformers import register
+from dilated_attention.integrations.transformers import DilatedCache, register
 from dilated_attention.training import load_corpus
 from dilated_attention.training.data import Batches
 
@@ -42,7 +43,11 @@ print(f"{args.steps} steps in {time.perf_counter() - start:.1f} s")
 
 model.eval()
 prompt = torch.tensor([list(b"def ")])
+# DilatedCache keeps the last max(segment_lengths) - 1 = 255 positions per layer (300 new bytes
+# slide past that): memory stays constant however long the text. generate takes it as cache=
+# (transformers 5) or past_key_values= (4.x).
+cache = {"cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values": DilatedCache(model)}
 with torch.no_grad():
-    out = model.generate(prompt, max_new_tokens=80, do_sample=True, top_p=0.95, temperature=0.8,
-                         pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    out = model.generate(prompt, max_new_tokens=300, do_sample=True, top_p=0.95, temperature=0.8,
+                         pad_token_id=0, attention_mask=torch.ones_like(prompt), **cache)
 print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))

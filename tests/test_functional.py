@@ -38,7 +38,8 @@ def test_float64_matches_reference(cfg):
     compare_with_reference(cfg)
 
 
-@given(configs(max_len=40, max_heads=4, grouped_query=True), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+@given(configs(max_len=40, max_heads=4, grouped_query=True),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
 def test_low_precision_within_tolerance(cfg, dtype):
     # |scale| > 1 amplifies input rounding beyond the tolerances, which are for scales <= 1.
     cfg = dict(cfg, softmax_scale=None if cfg["softmax_scale"] == -1.3 else cfg["softmax_scale"])
