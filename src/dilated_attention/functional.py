@@ -47,8 +47,9 @@ def dilated_attention(
             dtype and device as ``q``. ``H_kv = H``, or fewer heads that divide ``H``
             (grouped-query attention): query head ``j`` then uses key/value head
             ``j // (H / H_kv)``, and the keys are shared, not repeated. Usually
-            ``Lq = Lk``: self-attention over one sequence. With ``is_causal``, ``q`` may hold only the *last* ``Lq`` of the keys'
-            positions (a prefill chunk, a decode step).
+            ``Lq = Lk``: self-attention over one sequence. With ``is_causal``, ``q``
+            may hold only the *last* ``Lq`` of the keys' positions (a prefill
+            chunk, a decode step).
         segment_lengths: ``w_i >= 1`` per branch (``w > N`` means one segment).
         dilation_rates: ``r_i >= 1`` per branch, as many as ``segment_lengths``.
         mode: ``"mixture"`` (every branch on every head, results mixed by their
