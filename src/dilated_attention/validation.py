@@ -173,6 +173,15 @@ def check_positive_int(value, name: str) -> int:
     return int(value)
 
 
+def check_non_negative_int(value, name: str) -> int:
+    """An int ``>= 0`` (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type_name(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
 def check_per_row_ints(value, name: str, batch: int) -> tuple[int, ...]:
     """An int, or a ``(batch,)`` integer tensor: one int per batch row."""
     if isinstance(value, torch.Tensor):

@@ -1,0 +1,117 @@
+"""Patch orders on 2-D grids: exact permutations, the Hilbert curve where one is
+defined, adjacency and locality on every grid, and moving tensors in and out."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dilated_attention.ordering import ORDERS, apply, grid_order, invert, locality, shard
+
+grids = st.tuples(st.integers(1, 70), st.integers(1, 70))
+
+
+def cells(order, width):
+    """``(row, col)`` of each token, ``(N, 2)``."""
+    return torch.stack([order // width, order % width], 1)
+
+
+def symmetries(points, side):
+    """The 8 images of ``(row, col)`` points under the symmetries of a square of ``side``."""
+    r, c = points.unbind(1)
+    last = side - 1
+    for a, b in ((r, c), (c, r)):
+        for fa in (False, True):
+            for fb in (False, True):
+                yield torch.stack([last - a if fa else a, last - b if fb else b], 1)
+
+
+@pytest.mark.parametrize("side", [2, 4, 8, 16, 32, 64])
+def test_hilbert_on_power_of_two_squares_is_the_hilbert_curve(side):
+    """Against an independent construction (the ``hilbertcurve`` package), up to a
+    symmetry of the square: the same path, step for step."""
+    hilbertcurve = pytest.importorskip("hilbertcurve.hilbertcurve")
+    curve = hilbertcurve.HilbertCurve(int(math.log2(side)), 2)
+    oracle = torch.tensor(curve.points_from_distances(list(range(side * side))))
+    ours = cells(grid_order("hilbert", side, side), side)
+    assert any(torch.equal(image, oracle) for image in symmetries(ours, side))
+
+
+def test_zorder_interleaves_the_row_and_column_bits():
+    """Against the definition: patches sorted by their Morton code, on grids whose
+    sides are not powers of two."""
+    for height, width in ((5, 7), (13, 32), (1, 9), (40, 3)):
+        rows, cols = cells(torch.arange(height * width), width).unbind(1)
+        codes = sum(((rows >> b) & 1) << (2 * b + 1) | ((cols >> b) & 1) << (2 * b) for b in range(7))
+        assert torch.equal(grid_order("zorder", height, width), codes.argsort())
+
+
+@given(grids, st.sampled_from(ORDERS))
+def test_every_order_is_a_permutation(grid, kind):
+    height, width = grid
+    order = grid_order(kind, height, width)
+    assert order.dtype == torch.int64 and torch.equal(order.sort().values, torch.arange(height * width))
+
+
+@given(grids)
+def test_hilbert_steps_to_a_neighbour_on_any_grid(grid):
+    height, width = grid
+    points = cells(grid_order("hilbert", height, width), width)
+    assert points[0].tolist() == [0, 0]
+    assert bool(((points[1:] - points[:-1]).abs().sum(1) == 1).all())
+
+
+@given(st.integers(8, 90), st.integers(8, 90), st.sampled_from([16, 64]))
+def test_curves_keep_segments_compact(height, width, segment):
+    """On grids at least twice the segment's side wide and high: most neighbour pairs
+    share a segment, and a segment's bounding box is about a square of its size;
+    row-major segments are strips a row or two high."""
+    side = math.isqrt(segment)
+    if min(height, width) < 2 * side:
+        return
+    for kind, least_share in (("hilbert", 0.65 if segment == 16 else 0.8), ("zorder", 0.65)):
+        result = locality(grid_order(kind, height, width), height, width, segment)
+        assert result["neighbour_share"] >= least_share
+        assert max(result["box_rows"], result["box_cols"]) <= 2 * side
+    strips = locality(grid_order("row_major", height, width), height, width, segment)
+    assert strips["box_rows"] <= -(-segment // width) + 1
+
+
+def test_locality_on_a_64_grid_matches_the_counts():
+    """48% / 76% of neighbour pairs within segments of 16, 50% / 89% within 64."""
+    shares = {kind: [locality(grid_order(kind, 64, 64), 64, 64, w)["neighbour_share"] for w in (16, 64)]
+              for kind in ORDERS}
+    assert [round(s, 2) for s in shares["row_major"]] == [0.48, 0.5]
+    assert [round(s, 2) for s in shares["hilbert"]] == [round(s, 2) for s in shares["zorder"]] == [0.76, 0.89]
+
+
+@given(grids, st.sampled_from(ORDERS), st.integers(0, 2), st.integers(1, 5))
+def test_apply_invert_and_shard(grid, kind, extra, world):
+    height, width = grid
+    order = grid_order(kind, height, width)
+    gen = torch.Generator().manual_seed(height * 100 + width)
+    x = torch.randn(2, extra + height * width, 3, generator=gen)
+    ordered = apply(x, order, extra)
+    assert torch.equal(ordered[:, :extra], x[:, :extra])
+    assert torch.equal(ordered[:, extra:], x[:, extra:][:, order])
+    assert torch.equal(invert(ordered, order, extra), x)
+    pieces = [shard(x, order, rank, world, extra) for rank in range(world)]
+    assert torch.equal(torch.cat(pieces, 1), ordered)
+    assert [p.shape[1] for p in pieces] == [t.numel() for t in torch.arange(x.shape[1]).tensor_split(world)]
+
+
+def test_orders_are_cached_per_grid_and_checked():
+    assert grid_order("hilbert", 12, 7) is grid_order("hilbert", 12, 7)
+    with pytest.raises(ValueError, match="order must be one of"):
+        grid_order("snake", 4, 4)
+    with pytest.raises(ValueError, match="width must be >= 1"):
+        grid_order("hilbert", 4, 0)
+    order = grid_order("zorder", 3, 3)
+    with pytest.raises(ValueError, match="extra_tokens \\+ height \\* width = 1 \\+ 9"):
+        apply(torch.zeros(1, 9, 2), order, extra_tokens=1)
+    with pytest.raises(ValueError, match="rank must be an int in"):
+        shard(torch.zeros(1, 9, 2), order, 2, 2)
+    with pytest.raises(TypeError, match="order must be a 1-D int64 tensor"):
+        invert(torch.zeros(1, 9, 2), order.int())
