@@ -117,6 +117,22 @@ def run_module(rank, world, group):
     return {"out": max_relative_error(local_out, out[:, lo:hi]), "grads": max_relative_error(grads, full_grads)}
 
 
+def run_grid_module(rank, world, group):
+    """GridAttention on each rank's piece of the Hilbert-ordered patches (with a CLS
+    token): the pieces of the output are the single-process output in that order."""
+    from dilated_attention import GridAttention, MultiheadDilatedAttention
+    from dilated_attention.ordering import apply, grid_order, shard
+
+    torch.manual_seed(0)
+    grid_attention = GridAttention(MultiheadDilatedAttention(12, 3, [8, 16], [1, 2], dtype=torch.float64),
+                                   "hilbert", extra_tokens=1)
+    x = torch.randn(2, 1 + 6 * 5, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    whole, _ = grid_attention(x, grid=(6, 5))
+    order = grid_order("hilbert", 6, 5)
+    piece, _ = grid_attention(shard(x, order, rank, world, 1), grid=(6, 5), process_group=group)
+    return max_relative_error(piece, apply(whole, order, 1).tensor_split(world, dim=1)[rank])
+
+
 def shared_communicator_traffic(rank, group):
     """Two calls (two layers) through one communicator, then one backward through both:
     each call's record holds its own forward and backward, equal to the call alone."""
@@ -148,6 +164,7 @@ def worker(rank, world, init_file, cases, result_dir, scenario):
         if scenario == "cases":
             report["cases"] = [run_case(case, rank, world, dist.group.WORLD) for case in cases]
             report["module"] = run_module(rank, world, dist.group.WORLD)
+            report["grid"] = run_grid_module(rank, world, dist.group.WORLD)
         elif scenario == "head_offsets":
             x = torch.randn(1, 8, 4, 2, dtype=torch.float64)
             try:
@@ -264,6 +281,7 @@ def test_every_world_size_matches_one_process(world, tmp_path):
             assert errors["grads"] <= tolerance, (rank, case, errors)
             assert not errors["traffic"], (rank, case, moved)
         assert report["module"]["out"] <= 1e-12 and report["module"]["grads"] <= 1e-12, report["module"]
+        assert report["grid"] <= 1e-12, report["grid"]
         aligned_moved = report["cases"][0][1]
         assert aligned_moved == dict(forward_sent=0, forward_received=0, backward_sent=0, backward_received=0)
 

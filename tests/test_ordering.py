@@ -115,3 +115,96 @@ def test_orders_are_cached_per_grid_and_checked():
         shard(torch.zeros(1, 9, 2), order, 2, 2)
     with pytest.raises(TypeError, match="order must be a 1-D int64 tensor"):
         invert(torch.zeros(1, 9, 2), order.int())
+
+
+def _mha(**changes):
+    from dilated_attention import MultiheadDilatedAttention
+
+    torch.manual_seed(0)
+    options = dict(embed_dim=12, num_heads=3, segment_lengths=[4, 16], dilation_rates=[1, 2], dtype=torch.float64)
+    return MultiheadDilatedAttention(**{**options, **changes})
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_grid_attention_runs_the_ordered_sequence_and_answers_in_the_callers_order(batch_first):
+    """Output = the module on the ordered tokens, put back in row-major order (CLS
+    token first throughout); gradients reach the inputs; the mask follows."""
+    from dilated_attention import GridAttention
+
+    mha = _mha(batch_first=batch_first)
+    height, width = 5, 7
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 1 + height * width, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 1 + height * width, generator=gen) < 0.2
+    order = grid_order("hilbert", height, width)
+    seq = (lambda t: t) if batch_first else (lambda t: t.transpose(0, 1))
+    out, weights = GridAttention(mha, "hilbert", extra_tokens=1)(seq(x), grid=(height, width),
+                                                                  key_padding_mask=mask)
+    expected, _ = mha(seq(apply(x, order, 1)), key_padding_mask=apply(mask, order, 1))
+    assert weights is None
+    assert torch.allclose(seq(out), invert(seq(expected), order, 1), rtol=1e-12, atol=1e-12)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_grid_attention_with_one_whole_segment_does_not_depend_on_the_order():
+    """Full attention is the same in any order: a check that the tokens come back to
+    their places (a wrong inverse would move rows)."""
+    from dilated_attention import GridAttention
+
+    mha = _mha(segment_lengths=[64], dilation_rates=[1])
+    x = torch.randn(3, 2 + 6 * 9, 12, dtype=torch.float64)
+    plain, _ = mha(x)
+    for kind in ORDERS:
+        out, _ = GridAttention(mha, kind, extra_tokens=2)(x, grid=(6, 9))
+        assert torch.allclose(out, plain, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="grid must be \\(height, width\\)"):
+        GridAttention(mha)(x, grid=56)
+    with pytest.raises(ValueError, match="order must be one of"):
+        GridAttention(mha, "spiral")
+
+
+def _torchscale_longvit_attention(q, k, v, segment_lengths, dilation_rates):
+    """LongViT's (torchscale's ``DilatedAttention``) computation, one process, in plain
+    torch, for sequences a multiple of every segment and segments a multiple of every
+    rate (torchscale pads other lengths with zero keys it then attends to): per branch,
+    each segment keeps the rows ``offset, offset + r, ...`` where a head's offset is
+    its group among ``r`` contiguous groups of ``ceil(H / r)`` heads (the diagonal of
+    ``dense_to_sparse``); softmax attention among the kept rows; rows a branch does
+    not keep get LSE ``-1e8``; the branches' outputs are averaged with weights
+    ``softmax(lse)`` over the branches (``scattering``)."""
+    batch, length, heads, dim = q.shape
+    outs, lses = [], []
+    for w, r in zip(segment_lengths, dilation_rates):
+        out = torch.zeros_like(q)
+        lse = torch.full((batch, length, heads), -1e8, dtype=q.dtype)
+        group = -(-heads // r)
+        for head in range(heads):
+            rows = torch.arange(length).view(-1, w)[:, head // group :: r]  # (segments, kept rows)
+            qs, ks, vs = (t[:, rows, head] for t in (q, k, v))  # (B, segments, kept, D)
+            scores = qs @ ks.transpose(-1, -2) * dim**-0.5
+            out[:, rows, head] = scores.softmax(-1) @ vs
+            lse[:, rows, head] = scores.logsumexp(-1)
+        outs.append(out)
+        lses.append(lse)
+    weights = torch.stack(lses).softmax(0)
+    return sum(o * w.unsqueeze(-1) for o, w in zip(outs, weights))
+
+
+def test_longvit_attention_is_reproduced_exactly():
+    """LongViT's configuration for a 1024-patch (32 x 32) image, row-major order and
+    contiguous head offsets: the library equals the reference and LongViT's algorithm."""
+    from dilated_attention import dilated_attention, reference_dilated_attention
+
+    segs, rates = [64, 128, 256, 512, 1024], [1, 2, 4, 8, 16]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 32 * 32, 12, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    order = grid_order("row_major", 32, 32)
+    assert torch.equal(apply(q, order), q)  # row-major is the patch embedding's own order
+    out = dilated_attention(q, k, v, segs, rates, head_offsets="contiguous")
+    ref, _ = reference_dilated_attention(q, k, v, segs, rates, head_offsets="contiguous")
+    longvit = _torchscale_longvit_attention(q, k, v, segs, rates)
+    assert torch.allclose(out, ref, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(out, longvit, rtol=1e-10, atol=1e-12)
+    interleaved = dilated_attention(q, k, v, segs, rates)
+    assert not torch.allclose(interleaved, longvit, atol=1e-3)  # the paper's offsets are another layer

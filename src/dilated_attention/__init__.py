@@ -2,6 +2,8 @@
 
 - :func:`dilated_attention`: the functional API (``(B, N, H, D)`` tensors).
 - :class:`DilatedAttention`, :class:`MultiheadDilatedAttention`: ``nn.Module`` wrappers.
+- :class:`GridAttention`: attention over image patches in a chosen order
+  (:mod:`dilated_attention.ordering`: row-major, Z-order, Hilbert).
 - :class:`DilatedKVCache`: attention fed a few positions at a time (decoding), in
   memory bounded by the longest segment.
 - :mod:`dilated_attention.reference`: a dense float64 reference of the definition.
@@ -11,7 +13,7 @@ What is computed, exactly, is defined in ``docs/definition.md`` of the project.
 
 from .cache import DilatedKVCache
 from .functional import dilated_attention
-from .modules import DilatedAttention, MultiheadDilatedAttention
+from .modules import DilatedAttention, GridAttention, MultiheadDilatedAttention
 from .reference import reference_dilated_attention
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "DilatedKVCache",
     "DilatedAttention",
     "MultiheadDilatedAttention",
+    "GridAttention",
     "reference_dilated_attention",
 ]
 __version__ = "0.1.0"

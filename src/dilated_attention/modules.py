@@ -330,3 +330,49 @@ class MultiheadDilatedAttention(nn.Module):
             x = self.norm(x)
         out = self.out_proj(x)
         return (out if self.batch_first else out.transpose(0, 1)), None
+
+
+class GridAttention(nn.Module):
+    """Attention over the patches of an image laid into the sequence in another order.
+
+    ``GridAttention(attention, order="hilbert", extra_tokens=1)`` wraps a self-attention
+    module called as ``attention(x, key_padding_mask=..., **kwargs) -> (out, ...)``
+    (a :class:`MultiheadDilatedAttention`): ``forward(x, grid=(height, width))`` takes
+    ``x`` ``(B, extra_tokens + height * width, embed_dim)`` with the patches in
+    row-major order (after ``extra_tokens`` leading tokens, e.g. a CLS token), runs
+    ``attention`` on the sequence in ``order`` (see :mod:`dilated_attention.ordering`)
+    and returns its output in the caller's order: a ViT block changes the order its
+    segments follow without touching its data pipeline. ``batch_first=False``
+    modules take and return ``(N, B, embed_dim)``.
+
+    With ``process_group``, ``x`` is this rank's contiguous piece of the *ordered*
+    sequence (:func:`dilated_attention.ordering.shard` cuts it, as LongViT gives each
+    rank a row-major strip); it goes to ``attention`` as it is and the output is that
+    piece of the ordered output.
+    """
+
+    def __init__(self, attention: nn.Module, order: str = "hilbert", extra_tokens: int = 0):
+        super().__init__()
+        from .ordering import ORDERS
+
+        if not isinstance(attention, nn.Module):
+            raise TypeError(f"attention must be an nn.Module, got {validation.type_name(attention)}")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        self.attention, self.order = attention, order
+        self.extra_tokens = validation.check_non_negative_int(extra_tokens, "extra_tokens")
+
+    def forward(self, x: torch.Tensor, grid: Sequence[int], key_padding_mask: Optional[torch.Tensor] = None,
+                process_group=None, **kwargs):
+        """``(output, ...)`` as ``attention`` returns it, the output in ``x``'s order."""
+        from .ordering import apply, grid_order, invert
+
+        if process_group is not None:
+            return self.attention(x, key_padding_mask=key_padding_mask, process_group=process_group, **kwargs)
+        if not isinstance(grid, (tuple, list)) or len(grid) != 2:
+            raise ValueError(f"grid must be (height, width) in patches, got {grid!r}")
+        order = grid_order(self.order, *grid)
+        dim = 1 if getattr(self.attention, "batch_first", True) else 0
+        mask = None if key_padding_mask is None else apply(key_padding_mask, order, self.extra_tokens)
+        out, *rest = self.attention(apply(x, order, self.extra_tokens, dim), key_padding_mask=mask, **kwargs)
+        return (invert(out, order, self.extra_tokens, dim), *rest)
