@@ -46,6 +46,24 @@ def test_pattern_writes_a_png(tmp_path, capsys):
     assert lines[1].startswith("head 1: offsets per branch [0, 1], keys per query min 1")
 
 
+def test_pattern_on_a_grid_draws_each_order_and_prints_the_locality(tmp_path, capsys):
+    path = tmp_path / "grid.png"
+    args = ["pattern", "--grid", "16", "16", "--segment-lengths", "16", "64", "--dilation-rates", "1", "2"]
+    assert main(args + ["--order", "row_major", "hilbert", "--query", "3", "9", "--out", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("16 x 16 grid: neighbour pairs inside one segment")
+    assert [line.split()[0] for line in lines[2:4]] == ["row_major", "hilbert"]
+    assert lines[2].split()[1:5] == ["50.0%", "1.0", "x", "16.0"]  # a segment of 16 is one row
+    assert lines[3].split()[1:5] == ["80.0%", "4.0", "x", "4.0"]  # 4 x 4 squares: 24 of 30 pairs each
+    for bad, message in ((["--query", "16", "0"], "--query 16 0 must be a patch"), (["--causal"], "without --causal"),
+                         (["--head", "2"], "--head 2 must be below --heads 2")):
+        assert main(args + bad + ["--out", str(path)]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["pattern", "--segment-lengths", "4", "--dilation-rates", "1"]) == 2
+    assert "needs --length and --heads (or --grid H W" in capsys.readouterr().err
+
+
 def test_pattern_has_a_colour_bar_per_head_and_a_caption(tmp_path, monkeypatch):
     figures = []
 

@@ -208,3 +208,26 @@ def test_longvit_attention_is_reproduced_exactly():
     assert torch.allclose(out, longvit, rtol=1e-10, atol=1e-12)
     interleaved = dilated_attention(q, k, v, segs, rates)
     assert not torch.allclose(interleaved, longvit, atol=1e-3)  # the paper's offsets are another layer
+
+
+@pytest.mark.parametrize("kind", ORDERS)
+def test_the_drawn_patches_are_the_references_keys(kind):
+    """What the grid picture shades for a query patch and a head: the keys the
+    reference lets it attend to in that branch, on the ordered sequence."""
+    from dilated_attention.pattern import attended_cells
+    from dilated_attention.reference import branch_offsets, branch_pattern
+
+    height, width, heads = 5, 9, 3
+    order = grid_order(kind, height, width)
+    for w, r in ((4, 1), (8, 2), (45, 3), (7, 5)):
+        offsets = branch_offsets(heads, [w], [r], "mixture")[0]
+        allowed = branch_pattern(height * width, w, r, offsets)  # (H, N, N) over sequence positions
+        for query in range(height * width):
+            position = int((order == query).nonzero())
+            for head in range(heads):
+                cells, shown = attended_cells(order, query, w, r, offsets, head)
+                assert shown == head
+                assert sorted(cells.tolist()) == sorted(order[allowed[head, position]].tolist())
+            cells, shown = attended_cells(order, query, w, r, offsets)
+            keeps = [h for h in range(heads) if allowed[h, position].any()]
+            assert shown == (keeps[0] if keeps else None)

@@ -40,9 +40,14 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_pattern(args) -> int:
+    segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)
+    if args.grid:
+        return _grid_pattern(args, segs, rates)
     from .pattern import draw_pattern
 
-    segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)
+    if args.length is None or args.heads is None:
+        print("error: pattern needs --length and --heads (or --grid H W for an image)", file=sys.stderr)
+        return 2
     if args.heads * args.length**2 > MAX_PATTERN_CELLS:
         longest = int((MAX_PATTERN_CELLS / args.heads) ** 0.5)
         print(f"error: --length {args.length} with --heads {args.heads} is too large to draw "
@@ -55,6 +60,32 @@ def _cmd_pattern(args) -> int:
         args.out, args.length, args.heads, segs, rates, mode=args.mode, is_causal=args.causal
     )
     print("\n".join(lines))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _grid_pattern(args, segs, rates) -> int:
+    from .pattern import draw_grid_pattern
+
+    height, width = args.grid
+    heads = args.heads if args.heads is not None else max(rates)
+    query = tuple(args.query) if args.query else (height // 2, width // 2)
+    problems = []
+    if not (0 <= query[0] < height and 0 <= query[1] < width):
+        problems.append(f"--query {query[0]} {query[1]} must be a patch of the {height} x {width} grid")
+    if args.head is not None and not 0 <= args.head < heads:
+        problems.append(f"--head {args.head} must be below --heads {heads}")
+    if height * width > MAX_PATTERN_CELLS or args.causal:
+        problems.append("--grid draws images of at most 2**24 patches, without --causal (images attend both ways)")
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    if args.mode == "head_groups":
+        validation.check_head_groups(heads, len(segs))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    table = draw_grid_pattern(args.out, height, width, segs, rates, args.order, query, num_heads=heads,
+                              head=args.head, mode=args.mode, head_offsets=args.head_offsets)
+    print(table)
     print(f"wrote {args.out}")
     return 0
 
@@ -170,21 +201,38 @@ def _add_check(sub) -> None:
 
 
 def _add_pattern(sub) -> None:
+    from .ordering import ORDERS
+    from .plan import HEAD_OFFSETS
+
     pattern = _add_command(
         sub, "pattern", "Draw each head's attention pattern as a PNG.",
         "Draw which keys each query attends to, one panel per head, as a PNG, and print one "
-        "summary line per head.",
+        "summary line per head. With --grid H W: for one patch of an H x W image, the patches it "
+        "attends to in each branch, one row of panels per patch order, and print per order how "
+        "compact the segments are on the image.",
     )
     pattern.add_argument("--segment-lengths", type=positive_int, nargs="+", metavar="W", required=True,
                          help="segment length w of each branch (required)")
     pattern.add_argument("--dilation-rates", type=positive_int, nargs="+", metavar="R", required=True,
                          help="dilation rate r of each branch, as many as --segment-lengths (required)")
-    pattern.add_argument("--length", type=positive_int, metavar="N", required=True, help="sequence length N (required)")
-    pattern.add_argument("--heads", type=positive_int, metavar="H", required=True, help="number of heads H (required)")
+    pattern.add_argument("--length", type=positive_int, metavar="N",
+                         help="sequence length N, required without --grid (default: none)")
+    pattern.add_argument("--heads", type=positive_int, metavar="H",
+                         help="number of heads H, required without --grid (default: none; with --grid, the largest rate)")
     pattern.add_argument("--mode", choices=MODES, default="mixture",
                          help="how the branches share the heads (default: mixture)")
     pattern.add_argument("--causal", action="store_true",
                          help="queries attend only to keys at or before them (default: off)")
+    pattern.add_argument("--grid", type=positive_int, nargs=2, metavar=("H", "W"),
+                         help="draw an image of H x W patches instead of a sequence (default: off)")
+    pattern.add_argument("--order", nargs="+", choices=ORDERS, default=list(ORDERS),
+                         help="with --grid: the patch orders to compare (default: all three)")
+    pattern.add_argument("--query", type=int, nargs=2, metavar=("ROW", "COL"),
+                         help="with --grid: the query patch (default: the centre)")
+    pattern.add_argument("--head", type=int,
+                         help="with --grid: the head to draw (default: per branch, a head that keeps the query)")
+    pattern.add_argument("--head-offsets", choices=HEAD_OFFSETS, default="interleaved",
+                         help="with --grid: which offset a head uses in a branch (default: interleaved)")
     pattern.add_argument("--out", default="pattern.png",
                          help="PNG file to write; its folder is created if missing (default: pattern.png)")
     pattern.set_defaults(run=_cmd_pattern)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -77,3 +77,91 @@ def draw_pattern(
     save(fig, path, title, fontsize=10, caption=caption(mode, len(segment_lengths)))
     offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode)
     return summarize_heads(weights, offsets)
+
+
+def attended_cells(order: torch.Tensor, query: int, segment_length: int, dilation_rate: int,
+                   offsets: torch.Tensor, head: Optional[int] = None) -> tuple[torch.Tensor, Optional[int]]:
+    """The row-major indices of the patches that the patch ``query`` (a row-major
+    index) attends to in a branch ``(w, r)`` whose heads use ``offsets`` (``-1``: not
+    in the branch), with the patches laid out in ``order``, and the head: ``head``, or
+    if ``None`` the first head that keeps the query's row. Empty if that head does not."""
+    position = int((order == query).nonzero())
+    start = position // segment_length * segment_length
+    row = (position - start) % dilation_rate
+    if head is None:
+        keeping = (offsets == row).nonzero()
+        head = int(keeping[0]) if len(keeping) else None
+    if head is None or int(offsets[head]) != row:
+        return order.new_empty(0), head
+    stop = min(start + segment_length, order.numel())
+    return order[start + row : stop : dilation_rate], head
+
+
+def grid_locality_table(height: int, width: int, segment_lengths: Sequence[int], orders: Sequence[str]) -> str:
+    """Per order and segment length: the share of 4-neighbour patch pairs inside one
+    segment and the mean bounding box of a segment, as a text table."""
+    from .ordering import grid_order, locality
+
+    lines = [f"{height} x {width} grid: neighbour pairs inside one segment, mean segment bounding box (rows x cols)",
+             f"{'order':<10}" + "".join(f"{f'w={w}':>22}" for w in segment_lengths)]
+    for kind in orders:
+        cells = []
+        for w in segment_lengths:
+            result = locality(grid_order(kind, height, width), height, width, w)
+            cells.append(f"{result['neighbour_share']:6.1%} {result['box_rows']:5.1f} x {result['box_cols']:<5.1f}")
+        lines.append(f"{kind:<10}" + "".join(f"{cell:>22}" for cell in cells))
+    return "\n".join(lines)
+
+
+def draw_grid_pattern(
+    path: str,
+    height: int,
+    width: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    orders: Sequence[str],
+    query: tuple[int, int],
+    *,
+    num_heads: int = 1,
+    head: Optional[int] = None,
+    mode: str = "mixture",
+    head_offsets: str = "interleaved",
+) -> str:
+    """Write, for the patch ``query`` ``(row, col)`` of a ``height x width`` image, the
+    patches it attends to in each branch (columns) for each order (rows), with a last
+    column counting the branches per patch; return the :func:`grid_locality_table`.
+    ``head``: the head drawn; ``None``: in each branch, the first head that keeps the
+    query's row (in ``mixture`` with ``num_heads >= r`` there always is one)."""
+    from .ordering import grid_order
+
+    plt = pyplot()
+    offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode, head_offsets)
+    columns = len(segment_lengths) + 1
+    scale = 2.6 * min(1.0, max(width / height, 0.5))
+    fig, axes = plt.subplots(len(orders), columns, figsize=(scale * columns, 2.6 * len(orders) + 0.4),
+                             squeeze=False)
+    index = query[0] * width + query[1]
+    for row, kind in enumerate(orders):
+        order = grid_order(kind, height, width)
+        count = torch.zeros(height * width)
+        for branch, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+            image = torch.zeros(height * width)
+            cells, shown = attended_cells(order, index, w, r, offsets[branch], head)
+            image[cells] = 1.0
+            count += image
+            label = "no head keeps it" if shown is None else f"head {shown}: {len(cells)} patches"
+            _grid_panel(axes[row][branch], image, height, width, query, f"{kind}: w={w}, r={r}\n{label}")
+        _grid_panel(axes[row][-1], count, height, width, query, f"{kind}: all branches\n(shade: branches)")
+    title = (f"patch (row {query[0]}, col {query[1]}) of a {height} x {width} grid, {num_heads} heads "
+             f"({mode}, {head_offsets} offsets)")
+    save(fig, path, title, fontsize=10, caption="Shaded: the patches the query patch (red) attends to.")
+    return grid_locality_table(height, width, segment_lengths, orders)
+
+
+def _grid_panel(ax, values: torch.Tensor, height: int, width: int, query: tuple[int, int], title: str) -> None:
+    shades = values.view(height, width).masked_fill(values.view(height, width) == 0, math.nan)
+    ax.imshow(shades.numpy(), cmap="Blues", vmin=0, vmax=max(float(values.max()), 1.0), interpolation="nearest")
+    ax.plot([query[1]], [query[0]], marker="s", color="red", markersize=3)
+    ax.set_title(title, fontsize=8)
+    ax.set_xticks([])
+    ax.set_yticks([])
