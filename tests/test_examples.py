@@ -73,3 +73,14 @@ def test_transformers_example_trains_and_generates():
     lines = result.stdout.splitlines()
     assert lines[0].startswith("step 1: loss ") and lines[1].startswith("3 steps in ")
     assert lines[2].startswith("def ")
+
+
+def test_image_ordering_example_trains_each_order():
+    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, "image_ordering.py"), "--steps", "2"],
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["order", "test", "accuracy", "train", "s"]
+    assert [line.split()[0] for line in lines[1:]] == ["row_major", "zorder", "hilbert"]
+    for line in lines[1:]:
+        assert 0 < float(line.split()[1].rstrip("%")) <= 100

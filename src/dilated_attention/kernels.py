@@ -209,12 +209,15 @@ def _cuda_bias(bias, heads, q_len, k_len):
 
 
 def _pad_head_dim(*tensors):
-    """Zero-pad the last dim to the fused CUDA kernels' alignment; zeros change
-    neither ``q @ k^T`` nor the kept columns of the output. The result is contiguous
-    (``pad`` may keep a layout whose last dim is not unit-stride)."""
+    """Zero-pad the last dim to the fused CUDA kernels' alignment (zeros change
+    neither ``q @ k^T`` nor the kept columns of the output), in the memory layout
+    of the op's own outputs: ``(batch, L, heads, D)`` contiguous, viewed as
+    ``(batch, heads, L, D)``. (Measured on an H100, torch 2.11: the backward's
+    float16/bfloat16 ``dq, dk`` were wrong, up to inf, for operands padded to
+    ``(batch, heads, L, D)``-contiguous or strided rows; in this layout they are right.)"""
     dim = tensors[0].shape[-1]
     pad = round_up(dim, CUDA_HEAD_DIM_ALIGNMENT) - dim
-    return [torch.nn.functional.pad(t, (0, pad)).contiguous() if pad else t for t in tensors]
+    return [torch.nn.functional.pad(t, (0, pad)).transpose(1, 2).contiguous().transpose(1, 2) for t in tensors]
 
 
 def _cuda_lse_width(length: int) -> int:

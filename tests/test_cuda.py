@@ -1,0 +1,84 @@
+"""The CUDA path against the float64 reference (on the CPU): every dtype, both modes,
+causal, masks, odd lengths, grouped-query heads, key windows, dropout, decoding.
+Skipped without a CUDA device; ``benchmarks/gpu.sh`` runs them on a lent GPU."""
+
+import pytest
+import torch
+from helpers import configs, random_inputs, split_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
+from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+@settings(max_examples=40, deadline=None)
+@given(configs(max_len=70, max_heads=6, grouped_query=True), st.sampled_from(DTYPES))
+def test_cuda_matches_the_reference(cfg, dtype):
+    """Output, LSE and gradients of every dtype (through the fused memory-efficient
+    kernel; float64 through the unfused one), including odd head dims (padded)."""
+    cfg = dict(cfg, softmax_scale=None if cfg["softmax_scale"] == -1.3 else cfg["softmax_scale"])
+    inputs, attn = split_config(cfg)
+    (q, k, v), (grad, grad_lse), mask = random_inputs(**inputs)
+    cuda = [t.detach().to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = dilated_attention(*cuda, key_padding_mask=None if mask is None else mask.cuda(), return_lse=True,
+                                 **attn)
+    grads = torch.autograd.grad((out, lse), cuda, (grad.to("cuda", dtype), grad_lse.to("cuda", lse.dtype)))
+    ref_out, ref_lse = reference_dilated_attention(q, k, v, key_padding_mask=mask, **attn)
+    ref_grads = torch.autograd.grad((ref_out, ref_lse), (q, k, v), (grad, grad_lse))
+    tolerance = TOLERANCES[dtype] if dtype != torch.float64 else 1e-10
+    assert out.device.type == "cuda" and out.dtype == dtype
+    assert max_relative_error(out.cpu(), ref_out) <= tolerance
+    assert lse_error(lse.cpu(), ref_lse) <= tolerance
+    assert max_relative_error([g.cpu() for g in grads], ref_grads) <= tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_key_window_rows_equal_the_whole_sequence(dtype):
+    (q, k, v), _, mask = random_inputs(5, 2, 61, 4, 16, masked=True, kv_heads=2)
+    whole, _ = reference_dilated_attention(q, k, v, [8, 16, 32], [1, 2, 4], is_causal=True, key_padding_mask=mask)
+    window = [t.detach()[:, 32:].to("cuda", dtype) for t in (k, v)]
+    out = dilated_attention(q.detach()[:, 50:].to("cuda", dtype), *window, [8, 16, 32], [1, 2, 4], is_causal=True,
+                            key_padding_mask=mask[:, 32:].cuda(), key_offset=32)
+    assert max_relative_error(out.cpu(), whole[:, 50:]) <= TOLERANCES[dtype]
+
+
+def test_cuda_dropout_gradient_is_exact():
+    """float64 on CUDA (the unfused kernel with its position-keyed masks): the
+    backward regenerates the forward's mask, so finite differences agree."""
+    (q, k, v), _, mask = random_inputs(21, 1, 11, 3, 2, masked=True)
+    q, k, v = (t.detach().cuda().requires_grad_() for t in (q, k, v))
+
+    def fn(q, k, v):
+        torch.manual_seed(1234)
+        out, lse = dilated_attention(q, k, v, [4, 6, 16], [1, 2, 3], is_causal=True, dropout_p=0.3,
+                                     key_padding_mask=mask.cuda(), return_lse=True)
+        return out, lse.masked_fill(torch.isneginf(lse), 0.0)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_dropout_is_unbiased(dtype):
+    """The mean over many dropout draws approaches the output without dropout."""
+    (q, k, v), _, _ = random_inputs(3, 1, 40, 2, 8)
+    q, k, v = (t.detach().to("cuda", dtype) for t in (q, k, v))
+    plain = dilated_attention(q, k, v, [8, 16], [1, 2]).float()
+    mean = sum(dilated_attention(q, k, v, [8, 16], [1, 2], dropout_p=0.2).float() for _ in range(400)) / 400
+    assert max_relative_error(mean, plain) <= 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_cache_decoding_equals_the_whole_sequence(dtype):
+    (q, k, v), _, _ = random_inputs(9, 2, 53, 4, 16)
+    whole, _ = reference_dilated_attention(q, k, v, [4, 8, 16], [1, 2, 4], is_causal=True)
+    cache = DilatedKVCache(2, 4, 16, [4, 8, 16], [1, 2, 4], dtype=dtype, device="cuda")
+    pieces, start = [], 0
+    for size in (13, 1, 1, 7, 1, 30):
+        rows = slice(start, start + size)
+        pieces.append(cache.attend(*(t.detach()[:, rows].to("cuda", dtype) for t in (q, k, v))))
+        start += size
+    assert max_relative_error(torch.cat(pieces, 1).cpu(), whole) <= TOLERANCES[dtype]
