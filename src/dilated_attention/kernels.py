@@ -208,16 +208,19 @@ def _cuda_bias(bias, heads, q_len, k_len):
     return storage[..., :k_len].expand(bias.shape[0], heads, q_len, k_len)
 
 
-def _pad_head_dim(*tensors):
+def _pad_head_dim(*tensors, output_layout: bool = False):
     """Zero-pad the last dim to the fused CUDA kernels' alignment (zeros change
-    neither ``q @ k^T`` nor the kept columns of the output), in the memory layout
-    of the op's own outputs: ``(batch, L, heads, D)`` contiguous, viewed as
-    ``(batch, heads, L, D)``. (Measured on an H100, torch 2.11: the backward's
-    float16/bfloat16 ``dq, dk`` were wrong, up to inf, for operands padded to
-    ``(batch, heads, L, D)``-contiguous or strided rows; in this layout they are right.)"""
+    neither ``q @ k^T`` nor the kept columns of the output); padded tensors come back
+    contiguous, others as they are. ``output_layout``: every tensor in the memory
+    layout of the op's own outputs, ``(batch, L, heads, D)`` contiguous viewed as
+    ``(batch, heads, L, D)``, which the backward needs (measured on an H100, torch
+    2.11: its float16/bfloat16 ``dq, dk`` were wrong, up to inf, for padded
+    ``(batch, heads, L, D)``-contiguous operands and for strided rows)."""
     dim = tensors[0].shape[-1]
     pad = round_up(dim, CUDA_HEAD_DIM_ALIGNMENT) - dim
-    return [torch.nn.functional.pad(t, (0, pad)).transpose(1, 2).contiguous().transpose(1, 2) for t in tensors]
+    if output_layout:
+        return [torch.nn.functional.pad(t, (0, pad)).transpose(1, 2).contiguous().transpose(1, 2) for t in tensors]
+    return [torch.nn.functional.pad(t, (0, pad)).contiguous() if pad else t for t in tensors]
 
 
 def _cuda_lse_width(length: int) -> int:
@@ -254,7 +257,8 @@ class CudaEfficientKernel:
         lse_padded[..., :length] = lse
         no_rng = torch.empty((), dtype=torch.int64)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            *_pad_head_dim(dout, q, k, v), _cuda_bias(bias, q.shape[1], length, k.shape[2]), *_pad_head_dim(out),
+            *_pad_head_dim(dout, q, k, v, output_layout=True), _cuda_bias(bias, q.shape[1], length, k.shape[2]),
+            *_pad_head_dim(out, output_layout=True),
             lse_padded, no_rng, no_rng, 0.0, [True, True, True, False], is_causal, scale=scale,
         )
         dq = dq[..., :dim]
