@@ -4,7 +4,15 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    GPTBigCodeConfig,
+    GPTBigCodeForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask  # noqa: E402
 
 from dilated_attention import reference_dilated_attention  # noqa: E402
@@ -155,6 +163,45 @@ def test_the_bounded_cache_needs_a_registration():
     assert DilatedCache(model, name="dilated").window == 8
     with pytest.raises(TypeError, match="transformers model or config"):
         DilatedCache("llama")
+
+
+@torch.no_grad()
+def test_a_model_that_passes_no_position_ids_uses_the_cache_window():
+    """GPTBigCode (multi-query: one key/value head) hands its attention no
+    position_ids: DilatedCache tells the function where its window starts, so the
+    bounded cache generates what the default cache does; left padding, whose
+    positions such a model does not say, is refused."""
+    torch.manual_seed(0)
+    model = GPTBigCodeForCausalLM(GPTBigCodeConfig(n_embd=48, n_layer=2, n_head=6, vocab_size=61, multi_query=True,
+                                                   bos_token_id=0, eos_token_id=None)).double().eval()
+    model.set_attn_implementation("dilated")
+    model.generation_config.eos_token_id = None
+    tokens = torch.randint(1, 61, (1, 12))
+    options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    default = model.generate(tokens, **options)
+    bounded = model.generate(tokens, **options, **{CACHE_ARGUMENT: DilatedCache(model)})
+    assert torch.equal(default.sequences, bounded.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(default.logits, bounded.logits)) <= 1e-5
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :7] = 0
+    with pytest.raises(ValueError, match="passes no position_ids"):
+        model(tokens.expand(2, -1), attention_mask=mask)
+
+
+@torch.no_grad()
+def test_an_empty_prompt_row_outputs_nothing_and_a_static_cache_is_refused():
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    tokens = torch.randint(1, 61, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1] = 0  # row 1: no prompt at all
+    out = model.generate(tokens, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    alone = model.generate(tokens[:1], max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True,
+                           return_dict_in_generate=True)
+    assert torch.equal(out.sequences[0], alone.sequences[0])
+    with pytest.raises(ValueError, match="a static cache"):
+        model.generate(tokens[:1], max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static")
 
 
 def test_unsupported_uses_are_refused_clearly():

@@ -181,7 +181,8 @@ class DilatedKVCache:
             if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (batch, heads, dim) or t.shape[1] < 1:
                 raise ValueError(
                     f"{name} must have shape (batch={batch}, L >= 1, heads={heads}, head_dim={dim}), "
-                    f"got {tuple(t.shape)}"
+                    f"got {tuple(t.shape)} (the cache keeps as many key/value heads as query heads: for "
+                    "grouped-query attention, repeat k and v per query head)"
                 )
             if t.dtype != self.dtype or t.device != self.device:
                 raise ValueError(

@@ -459,7 +459,7 @@ def engine_backward(
 
 class DilatedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper of the engine: inputs ``q`` ``(B, Lq, H, D)``, ``k, v``
-    ``(B, Lk, H, D)`` (last dims unit-stride), an optional bool ``padding`` ``(B, Lk)``,
+    ``(B, Lk, H_kv, D)`` (``H_kv`` divides ``H``; last dims unit-stride), an optional bool ``padding`` ``(B, Lk)``,
     the dropout ``seed`` and the ``key_flags`` (see :func:`engine_forward`); outputs
     ``out`` and ``lse``, both differentiable.
 

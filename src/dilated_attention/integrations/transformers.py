@@ -94,6 +94,8 @@ class _WindowLayer(DynamicSlidingWindowLayer):
             kept = getattr(self, name)
             if kept.untyped_storage().nbytes() > 2 * kept.numel() * kept.element_size():
                 setattr(self, name, kept.clone())
+        # Where the window starts, for models that pass no position_ids to their attention.
+        keys.dilated_first_slot = self.cumulative_length - keys.shape[-2]
         return keys, values
 
 
@@ -165,7 +167,8 @@ def dilated_attention_forward(
         raise ValueError(
             f"the padding mask has shape {tuple(mask.shape)}, expected (batch, keys) = {(batch, num_keys)}"
         )
-    first = _first_key_positions(kwargs.get("position_ids"), mask, batch, num_queries, num_keys)
+    first_slot = getattr(key, "dilated_first_slot", 0)  # set by DilatedCache: the window's first slot
+    first = _first_key_positions(kwargs.get("position_ids"), mask, batch, num_queries, num_keys, first_slot)
     _check_keys_reach_back(first, num_keys - num_queries, segment_lengths)
     options = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
                    head_offsets=head_offsets, is_causal=True, softmax_scale=scaling, dropout_p=dropout,
@@ -189,12 +192,24 @@ def _refuse_unsupported(module, attention_mask, is_causal, kwargs) -> None:
                          "mask: register the function with register(), which sets the mask transformers builds")
 
 
-def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_keys: int) -> torch.Tensor:
+def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_keys: int,
+                         first_slot: int = 0) -> Optional[torch.Tensor]:
     """``(B,)`` int64: the sequence position of each row's first key slot, from the
-    queries' ``position_ids`` (slot ``i`` is position ``first + i``); 0 without them.
-    Negative where a row's first token (position 0) comes after left padding."""
+    queries' ``position_ids`` (slot ``i`` is position ``first + i``): negative where a
+    row's first token (position 0) comes after left padding; ``-2**62`` for a row
+    with no real query (it outputs 0). Without ``position_ids`` the slots are the
+    positions (from ``first_slot``, the window's start in a :class:`DilatedCache`)
+    and left padding is refused: its rows' positions are unknown."""
     if position_ids is None:
-        return torch.zeros(batch, dtype=torch.int64)
+        if mask is not None:
+            leading = ~mask[:, 0] & mask.any(1)
+            if bool(leading.any()):
+                raise ValueError(
+                    "this model passes no position_ids to its attention function, so the positions of a "
+                    "left-padded row are unknown (segments follow each sequence's own positions): pad on the "
+                    "right, or run each prompt alone"
+                )
+        return torch.full((batch,), int(first_slot), dtype=torch.int64)
     if position_ids.dim() not in (1, 2) or position_ids.shape[-1] != num_queries or (
         position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch)
     ):
@@ -205,6 +220,7 @@ def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_k
     real = torch.ones_like(first, dtype=torch.bool) if mask is None else mask[:, num_keys - num_queries :]
     real = real.to(first.device)
     row_first = first.gather(1, real.int().argmax(1, keepdim=True))  # at each row's first real query
+    row_first = row_first.masked_fill(~real.any(1, keepdim=True), NO_QUERY)
     agree = (first == row_first) | ~real
     if not bool(agree.all()):
         row = int((~agree.all(1)).nonzero()[0])
@@ -214,6 +230,9 @@ def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_k
             f"{row}: slot minus position = {sorted(set((-first[row][real[row]]).tolist()))})"
         )
     return row_first.squeeze(1).cpu()
+
+
+NO_QUERY = -(2**62)  # the first-key position of a row whose queries are all padding
 
 
 def _check_keys_reach_back(first: torch.Tensor, first_query_slot: int, segment_lengths) -> None:
@@ -240,17 +259,23 @@ def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, 
     first_query_slot = num_keys - num_queries
     starts = first.tolist()
     groups = [[row for row, start in enumerate(starts) if start >= 0]]
-    groups += [[row for row, s in enumerate(starts) if s == start] for start in sorted(set(starts)) if start < 0]
+    groups += [[row for row, s in enumerate(starts) if s == start]
+               for start in sorted(set(starts)) if NO_QUERY < start < 0]
     groups = [rows for rows in groups if rows]
+    if sum(len(rows) for rows in groups) < len(starts):
+        groups.append([])  # rows with no real query: only zeros
     out = None if len(groups) == 1 else query.new_zeros(query.shape)
-    for rows in groups:
+    for rows in filter(None, groups):
         # slot of the earliest key a query of these rows attends to (positions < 0 are padding)
         drop = min(window_start_needed(max(starts[row] + first_query_slot, 0), segment_lengths) - starts[row]
                    for row in rows)
         skip = -min(starts[rows[0]], 0)  # padding slots before the first token
-        if mask is not None and skip and bool(mask[rows, :skip].any()):
-            raise ValueError("position_ids put a row's first token after slots the attention mask marks as "
-                             "tokens: the mask and position_ids disagree")
+        if skip and (mask is None or bool(mask[rows, :skip].any())):
+            raise ValueError(
+                "position_ids put a row's first token after key slots that are not marked as padding: the keys "
+                "run past the queries (a static cache?) or the mask and position_ids disagree; use "
+                "DilatedCache or transformers' default dynamic cache"
+            )
         if drop >= num_keys:
             continue  # only padding queries: they output 0
         picked = None if out is None else torch.tensor(rows, device=query.device)
