@@ -24,6 +24,7 @@ step() {  # name, seconds, command...
     tail -n 4 "$out/$name-$card.txt"
 }
 
+step flash 60 python3 benchmarks/gpu_flash_layouts.py
 step check 80 python3 -m dilated_attention check --device cuda --dtype float64 float32 bfloat16 float16
 step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 step bench 180 python3 -m dilated_attention bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \

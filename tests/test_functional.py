@@ -285,6 +285,23 @@ def test_cuda_kernel_non_square_calls_fit_the_op_schemas():
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_flash_kernel_calls_fit_the_op_schemas(masked):
+    """The FlashAttention kernel on meta tensors, through the whole pipeline, with
+    grouped-query heads and a head dim to pad; masked blocks go to the other kernel."""
+    from dilated_attention.kernels import CudaFlashKernel
+
+    with forced_kernel(CudaFlashKernel):
+        q = torch.empty(2, 37, 6, 12, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.empty(2, 37, 2, 12, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        mask = torch.empty(2, 37, dtype=torch.bool, device="meta") if masked else None
+        out, lse = dilated_attention(q, k, v, [8, 16], [1, 3], key_padding_mask=mask, is_causal=True,
+                                     return_lse=True)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (torch.empty_like(out), torch.empty_like(lse)))
+    assert out.shape == q.shape and lse.shape == (2, 37, 6) and lse.dtype == torch.float32
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_large_lse_gradients_in_half_precision(dtype):
     """A loss scaled as AMP's GradScaler does (65536 and more) through the LSE: the

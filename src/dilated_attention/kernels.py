@@ -26,9 +26,11 @@ divides ``h``); query head ``i`` then attends with key head ``i // (h / h_k)``, 
 the others each key head is repeated for its query heads within the call (a copy
 of the call's keys only) and the key gradients are summed back.
 
-Three kernels share this interface:
+Four kernels share this interface:
 
 - ``CpuFlashKernel``: PyTorch's fused CPU flash-attention ops (any float dtype).
+- ``CudaFlashKernel``: PyTorch's fused CUDA FlashAttention ops (fp16, bf16), for
+  blocks without a bias; the others go to
 - ``CudaEfficientKernel``: PyTorch's fused CUDA memory-efficient ops (fp32, fp16, bf16).
 - ``MathKernel``: explicit matmul + softmax in fp32/fp64, any device. It serves
   what the fused ops cannot: dropout (neither fused op takes an external mask that
@@ -265,10 +267,61 @@ class CudaEfficientKernel:
         return (dq if sign == 1.0 else dq * sign), dk[..., :dim], dv[..., :dim]
 
 
+# The largest head dim PyTorch's CUDA FlashAttention op takes.
+CUDA_FLASH_MAX_HEAD_DIM = 256
+
+
+@_repeating_key_heads
+class CudaFlashKernel:
+    """PyTorch's fused CUDA FlashAttention (float16, bfloat16; compute capability 8.0
+    and up), the fastest of PyTorch's kernels, for blocks without a key padding bias
+    and head dims up to 256; other blocks go to :class:`CudaEfficientKernel`. Its
+    backward takes the merged ``out`` and ``lse`` like the others (no dropout: the
+    forward's random state is not kept)."""
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype, dropout: bool) -> bool:
+        return (
+            device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not dropout
+            and torch.cuda.get_device_capability(device) >= (8, 0)
+        )
+
+    @staticmethod
+    def _takes(q, bias) -> bool:
+        return bias is None and q.shape[-1] <= CUDA_FLASH_MAX_HEAD_DIM
+
+    @staticmethod
+    def forward(q, k, v, bias, is_causal, scale, dropout=None):
+        _refuse_dropout(CudaFlashKernel, dropout)
+        if not CudaFlashKernel._takes(q, bias):
+            return CudaEfficientKernel.forward(q, k, v, bias, is_causal, scale)
+        dim = q.shape[-1]
+        q, scale, _ = _positive_scale(q, scale, is_causal)
+        out, lse, *_ = _aten._scaled_dot_product_flash_attention(
+            *_pad_head_dim(q, k, v), 0.0, is_causal, False, scale=scale
+        )
+        return out[..., :dim], lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout=None):
+        _refuse_dropout(CudaFlashKernel, dropout)
+        if not CudaFlashKernel._takes(q, bias):
+            return CudaEfficientKernel.backward(dout, q, k, v, out, lse, bias, is_causal, scale)
+        dim = q.shape[-1]
+        q, scale, sign = _positive_scale(q, scale, is_causal)
+        unused = torch.empty(0, dtype=torch.int64, device=q.device)  # the random state: no dropout
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            *_pad_head_dim(dout, q, k, v, out), lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
+            is_causal, unused, unused, scale=scale,
+        )
+        dq = dq[..., :dim]
+        return (dq if sign == 1.0 else dq * sign), dk[..., :dim], dv[..., :dim]
+
+
 if torch.__version__ < "2.5":  # the CPU flash ops broadcast key heads from PyTorch 2.5 on
     CpuFlashKernel = _repeating_key_heads(CpuFlashKernel)
 
-KERNELS = (CpuFlashKernel, CudaEfficientKernel, MathKernel)
+KERNELS = (CpuFlashKernel, CudaFlashKernel, CudaEfficientKernel, MathKernel)
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float):
