@@ -171,18 +171,27 @@ def test_sparse_inputs_are_refused():
 
 def test_fused_kernels_refuse_dropout_and_selection_says_what_supports_it():
     from dilated_attention.dropout import DropoutMask
-    from dilated_attention.kernels import CpuFlashKernel, CudaEfficientKernel, MathKernel, select_kernel
+    from dilated_attention.kernels import (
+        CpuFlashKernel,
+        CudaEfficientKernel,
+        CudaFlashKernel,
+        MathKernel,
+        select_kernel,
+    )
 
     q = torch.randn(1, 2, 4, 8)
     mask = DropoutMask(0.5, torch.zeros(1, 2, 4, dtype=torch.long), torch.zeros(1, 1, 4, dtype=torch.long))
-    for kernel in (CpuFlashKernel, CudaEfficientKernel):
+    for kernel in (CpuFlashKernel, CudaFlashKernel, CudaEfficientKernel):
         with pytest.raises(ValueError, match=f"{kernel.__name__} has no dropout"):
             kernel.forward(q, q, q, None, False, 0.5, mask)
     cpu = torch.device("cpu")
     assert select_kernel(cpu, torch.float32, 0.0) is CpuFlashKernel
     assert select_kernel(cpu, torch.float32, 0.1) is MathKernel
     assert select_kernel(torch.device("cuda"), torch.float64, 0.0) is MathKernel
-    assert select_kernel(torch.device("cuda"), torch.bfloat16, 0.0) is CudaEfficientKernel
+    flash = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    expected = CudaFlashKernel if flash else CudaEfficientKernel
+    assert select_kernel(torch.device("cuda"), torch.bfloat16, 0.0) is expected
+    assert select_kernel(torch.device("cuda"), torch.float32, 0.0) is CudaEfficientKernel
 
 
 def test_positions_beyond_int64_are_refused_and_huge_offsets_are_cheap():

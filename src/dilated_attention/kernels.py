@@ -283,7 +283,7 @@ class CudaFlashKernel:
     def supports(device: torch.device, dtype: torch.dtype, dropout: bool) -> bool:
         return (
             device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not dropout
-            and torch.cuda.get_device_capability(device) >= (8, 0)
+            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
         )
 
     @staticmethod
