@@ -30,3 +30,6 @@ step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
 step bench 180 python3 -m dilated_attention bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
     --seq-lens 32768 1048576 --impl dense mixture --repeats 5 --max-seconds 20 --no-plot --quiet \
     --out-dir "$out" --name "bench-cuda-bfloat16-$card"
+step decode 100 python3 -m dilated_attention decode-bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
+    --positions 4096 65536 1048576 --steps 50 --dense-steps 10 --no-plot --out-dir "$out" \
+    --name "decode-cuda-bfloat16-$card"
