@@ -4,6 +4,7 @@ import contextlib
 
 import torch
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dilated_attention.functional as functional
 from dilated_attention.plan import HEAD_OFFSETS, MODES
@@ -123,3 +124,18 @@ def option_help(help_text):
         else:
             current = None
     return options
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an operator returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for t in result if isinstance(result, (tuple, list)) else [result]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return result

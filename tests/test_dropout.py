@@ -3,8 +3,7 @@ keyed by position (so independent of how the work is cut), bounded memory."""
 
 import pytest
 import torch
-from helpers import call_budget, random_inputs
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import LargestTensor, call_budget, random_inputs
 
 import dilated_attention.kernels as kernels
 from dilated_attention import DilatedAttention, dilated_attention, reference_dilated_attention
@@ -119,21 +118,6 @@ def test_grouped_query_dropout_is_that_of_repeated_keys(head_offsets):
     shared, full = run(k, v), run(*repeated)
     full[3:] = [g.unflatten(2, (2, 3)).sum(3) for g in full[3:]]
     assert all(max_relative_error(a, b) <= 1e-12 for a, b in zip(shared, full))
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the most elements of any tensor an operator returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        for t in result if isinstance(result, (tuple, list)) else [result]:
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return result
 
 
 def test_dropout_temporaries_are_bounded(monkeypatch):

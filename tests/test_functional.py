@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import call_budget, configs, forced_kernel, random_inputs, split_config
+from helpers import LargestTensor, call_budget, configs, forced_kernel, random_inputs, split_config
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -331,18 +331,6 @@ def test_grouped_query_keys_are_shared_not_repeated(layout):
     """8 query heads on 2 key/value heads, branches whose head sets map to key heads
     by strided views: no operation makes a tensor larger than the keys (repeating
     them would make one 4 times as large), and the result is the reference's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class LargestTensor(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            for t in result if isinstance(result, (tuple, list)) else [result]:
-                if isinstance(t, torch.Tensor):
-                    self.numel = max(self.numel, t.numel())
-            return result
-
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(1, 3, 8, 16, generator=gen)
     k, v = (torch.randn(1, 96, 2, 16, generator=gen) for _ in range(2))

@@ -164,22 +164,23 @@ def check_qkv(q, k, v, layout: str = "bnhd") -> None:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}: move it")
 
 
-def check_positive_int(value, name: str) -> int:
-    """An int ``>= 1`` (not a bool)."""
+def _check_int_at_least(value, name: str, least: int) -> int:
+    """An int ``>= least`` (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type_name(value)}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
     return int(value)
+
+
+def check_positive_int(value, name: str) -> int:
+    """An int ``>= 1`` (not a bool)."""
+    return _check_int_at_least(value, name, 1)
 
 
 def check_non_negative_int(value, name: str) -> int:
     """An int ``>= 0`` (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type_name(value)}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return _check_int_at_least(value, name, 0)
 
 
 def check_per_row_ints(value, name: str, batch: int) -> tuple[int, ...]:
