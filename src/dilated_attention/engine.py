@@ -409,7 +409,8 @@ def engine_backward(
     remote_sources, remote_blocks = exchange.received if exchange is not None else ([], [])
     acc = _accumulation_dtype(q.dtype, cfg, exchange is not None)
     grad_q = _buffer(q.shape, acc, q.device, cfg, 0.0)
-    keys_fresh = _keys_are_queries(cfg) and k.shape[2] == q.shape[2]  # shared key heads add up
+    groups = q.shape[2] // k.shape[2]  # grouped-query attention (one process only)
+    keys_fresh = _keys_are_queries(cfg) and groups == 1  # shared key heads add up
     if keys_fresh:
         grad_k, grad_v = (_buffer(t.shape, acc, t.device, cfg, 0.0) for t in (k, v))
     else:
@@ -432,7 +433,7 @@ def engine_backward(
         ob, gb, lb = (_to_kernel(block.queries.select(t)) for t in (out, grad_out, lse))
         ob = ob / cfg.out_scale if cfg.out_scale != 1.0 else ob
         glb = None if lse_grad is None else _to_kernel(block.queries.select(lse_grad))
-        call = _call(cfg, block, q, bad_q, sources[block.source], seed, q.shape[2] // k.shape[2])
+        call = _call(cfg, block, q, bad_q, sources[block.source], seed, groups)
         return [_from_kernel(g, batch) for g in _attend_backward(cfg, call, gb, ob, lb, glb)], call.keys
 
     remote_dq, remote_key_grads = [], []

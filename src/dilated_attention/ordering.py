@@ -32,6 +32,7 @@ import functools
 import torch
 
 from . import validation
+from .intmath import ceil_div
 
 ORDERS = ("row_major", "zorder", "hilbert")
 
@@ -78,9 +79,14 @@ def apply(x: torch.Tensor, order: torch.Tensor, extra_tokens: int = 0, dim: int 
 def invert(y: torch.Tensor, order: torch.Tensor, extra_tokens: int = 0, dim: int = 1) -> torch.Tensor:
     """The inverse of :func:`apply`: ``y`` in ``order`` -> row-major order."""
     _check_sequence(y, order, extra_tokens, dim)
+    return y.index_select(dim, _index(positions(order), extra_tokens, y.device))
+
+
+def positions(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation: the place in the sequence of each patch (row-major)."""
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
-    return y.index_select(dim, _index(inverse, extra_tokens, y.device))
+    return inverse
 
 
 def shard(x: torch.Tensor, order: torch.Tensor, rank: int, world_size: int, extra_tokens: int = 0,
@@ -102,16 +108,13 @@ def locality(order: torch.Tensor, height: int, width: int, segment_length: int) 
     are on the ``height x width`` grid: ``neighbour_share``, the fraction of pairs of
     4-neighbour patches that fall in one segment; ``box_rows`` and ``box_cols``, the
     mean height and width of a segment's bounding box (in patches)."""
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel())
-    segment = (position // segment_length).view(height, width)
+    segment = (positions(order) // segment_length).view(height, width)
     same = [segment[:, 1:] == segment[:, :-1], segment[1:] == segment[:-1]]
     pairs = sum(t.numel() for t in same)
-    rows, cols = order // width, order % width
-    count = -(-order.numel() // segment_length)
+    count = ceil_div(order.numel(), segment_length)
+    ids = torch.arange(order.numel()) // segment_length  # the segment of each token
     boxes = []
-    for coordinate in (rows, cols):
-        ids = torch.arange(order.numel()) // segment_length
+    for coordinate in (order // width, order % width):
         low = torch.full((count,), height * width).scatter_reduce(0, ids, coordinate, "amin")
         high = torch.full((count,), -1).scatter_reduce(0, ids, coordinate, "amax")
         boxes.append(float((high - low + 1).double().mean()))

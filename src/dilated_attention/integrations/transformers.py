@@ -193,7 +193,7 @@ def _refuse_unsupported(module, attention_mask, is_causal, kwargs) -> None:
 
 
 def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_keys: int,
-                         first_slot: int = 0) -> Optional[torch.Tensor]:
+                         first_slot: int = 0) -> torch.Tensor:
     """``(B,)`` int64: the sequence position of each row's first key slot, from the
     queries' ``position_ids`` (slot ``i`` is position ``first + i``): negative where a
     row's first token (position 0) comes after left padding; ``-2**62`` for a row
@@ -262,10 +262,9 @@ def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, 
     groups += [[row for row, s in enumerate(starts) if s == start]
                for start in sorted(set(starts)) if NO_QUERY < start < 0]
     groups = [rows for rows in groups if rows]
-    if sum(len(rows) for rows in groups) < len(starts):
-        groups.append([])  # rows with no real query: only zeros
-    out = None if len(groups) == 1 else query.new_zeros(query.shape)
-    for rows in filter(None, groups):
+    every_row_in_one_call = len(groups) == 1 and len(groups[0]) == len(starts)  # none without a real query
+    out = None if every_row_in_one_call else query.new_zeros(query.shape)
+    for rows in groups:
         # slot of the earliest key a query of these rows attends to (positions < 0 are padding)
         drop = min(window_start_needed(max(starts[row] + first_query_slot, 0), segment_lengths) - starts[row]
                    for row in rows)
