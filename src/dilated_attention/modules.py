@@ -10,6 +10,7 @@ from torch import nn
 from . import validation
 from .cache import DilatedKVCache
 from .functional import dilated_attention
+from .ordering import ORDERS, apply, grid_order, invert
 
 
 def _refuse_mismatch(module: nn.Module, saved: dict, mine: dict) -> None:
@@ -353,8 +354,6 @@ class GridAttention(nn.Module):
 
     def __init__(self, attention: nn.Module, order: str = "hilbert", extra_tokens: int = 0):
         super().__init__()
-        from .ordering import ORDERS
-
         if not isinstance(attention, nn.Module):
             raise TypeError(f"attention must be an nn.Module, got {validation.type_name(attention)}")
         if order not in ORDERS:
@@ -365,8 +364,6 @@ class GridAttention(nn.Module):
     def forward(self, x: torch.Tensor, grid: Sequence[int], key_padding_mask: Optional[torch.Tensor] = None,
                 process_group=None, **kwargs):
         """``(output, ...)`` as ``attention`` returns it, the output in ``x``'s order."""
-        from .ordering import apply, grid_order, invert
-
         if process_group is not None:
             return self.attention(x, key_padding_mask=key_padding_mask, process_group=process_group, **kwargs)
         if not isinstance(grid, (tuple, list)) or len(grid) != 2:
