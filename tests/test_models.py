@@ -126,7 +126,7 @@ def test_sampling_keeps_only_the_top_k_and_the_top_p_tokens():
 
 @pytest.mark.parametrize("kwargs,fragment", [
     (dict(temperature=-1), "temperature must be a finite number >= 0"),
-    (dict(top_p=0), "top_p must be a number in (0, 1]"),
+    (dict(top_p=0), "top_p must be a finite number in (0, 1]"),
     (dict(top_k=0), "top_k must be >= 1"),
 ])
 def test_bad_sampling_options_are_refused(kwargs, fragment):

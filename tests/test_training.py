@@ -1,7 +1,9 @@
 """`dilated-attention train` / `generate`: learning, exact resume, processes, bad input."""
 
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,7 +72,8 @@ def test_training_learns_and_writes_its_run_folder(tmp_path, text_file):
     assert summary["stopped"] == "done" and [r["step"] for r in records] == list(range(1, 41))
     assert sum(losses(run)[-5:]) / 5 < 0.6 * sum(losses(run)[:5]) / 5
     assert records[19]["val_bpb"] > records[39]["val_bpb"]
-    assert sorted(os.listdir(run)) == ["checkpoint.pt", "config.json", "log.jsonl", "loss.png"]
+    assert sorted(os.listdir(run)) == sorted([".lock", "checkpoint.pt", "checkpoint.previous.pt", "config.json",
+                                              "log.jsonl", "loss.png"])
     model = load_model(run)
     assert model.config == CONFIG and not model.training
 
@@ -129,7 +132,7 @@ def test_command_line_trains_then_generates(tmp_path, text_file, capsys, monkeyp
     assert main(["train", "--config", str(config), "--data", text_file, "--context", "64", "--batch-size", "4",
                  "--steps", "6", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "step 6/6 (done)" in out and "bits per byte" in out
+    assert "step 6/6 (done)" in out and "bits per byte" in out and "sessions" not in out  # never resumed
     (run,) = os.listdir(tmp_path / "runs")
     assert main(["generate", "--prompt", "def alpha", "--max-new-tokens", "25", "--seed", "1"]) == 0
     captured = capsys.readouterr()
@@ -195,7 +198,7 @@ def test_a_damaged_checkpoint_or_a_changed_config_is_refused(tmp_path, text_file
     assert "describes a different model than" in _error(["generate", "--run", str(run), "--prompt", "a"], capsys)
     data = (run / "checkpoint.pt").read_bytes()
     (run / "checkpoint.pt").write_bytes(data[: len(data) // 2])
-    assert "is not a readable checkpoint" in _error(["generate", "--run", str(run), "--prompt", "a"], capsys)
+    assert "is damaged (not a readable archive" in _error(["generate", "--run", str(run), "--prompt", "a"], capsys)
 
 
 def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path, text_file, monkeypatch):
@@ -213,7 +216,7 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path, text_
     monkeypatch.undo()
     assert (run / "checkpoint.pt").read_bytes() == before
     assert checkpoint.load_checkpoint(str(run))["step"] == 2
-    assert sorted(os.listdir(run)) == ["checkpoint.pt", "config.json", "log.jsonl", "loss.png"]
+    assert ".checkpoint.pt" not in " ".join(os.listdir(run))  # no temporary left
 
 
 def test_the_default_corpus_is_the_standard_library_and_the_split_is_fixed():
@@ -238,3 +241,274 @@ def test_batches_resume_from_their_state():
     got = b.next()
     assert all(torch.equal(x, y) for x, y in zip(got, expected))
     assert torch.equal(got[0][:, 1:], got[1][:, :-1])
+
+
+# Hardening: a run folder belongs to one process, damage is refused, nothing is lost.
+
+
+def _flip_inside_a_tensor(path, count=64):
+    """Flip ``count`` bytes in the middle of the largest tensor record of a checkpoint."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        with archive.open(record) as f:
+            f.read()
+    data = bytearray(open(path, "rb").read())
+    start = record.header_offset + 30 + len(record.filename) + len(record.extra) + record.file_size // 2
+    data[start : start + count] = bytes(b ^ 0xFF for b in data[start : start + count])
+    open(path, "wb").write(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_refused_and_the_previous_one_recovers_the_run(tmp_path, text_file, capsys):
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=6), CONFIG, progress=False)  # checkpoints at steps 3 and 6
+    latest = os.path.join(run, "checkpoint.pt")
+    _flip_inside_a_tensor(latest)
+    for argv in (["generate", "--run", run, "--prompt", "a"], ["train", "--resume", run, "--steps", "9"]):
+        message = _error(argv, capsys)
+        assert "checkpoint.pt is damaged (the bytes of its record" in message
+        assert "The checkpoint before it, of step 3, is intact" in message and "checkpoint.previous.pt" in message
+    previous = os.path.join(run, "checkpoint.previous.pt")
+    os.replace(previous, latest)  # what the message says to do
+    assert train(run, settings(text_file, steps=6, data=os.path.abspath(text_file)), resume=True,
+                 progress=False)["step"] == 6
+    assert [r["step"] for r in read_log(run)] == list(range(1, 7))
+
+    whole = bytearray(open(latest, "rb").read())  # 100 KB zeroed, and no earlier checkpoint kept
+    whole[len(whole) // 4 : len(whole) // 4 + 100_000] = bytes(100_000)
+    open(latest, "wb").write(bytes(whole))
+    os.remove(previous)
+    message = _error(["generate", "--run", run, "--prompt", "a"], capsys)
+    assert "is damaged" in message and "No earlier checkpoint of this run is kept" in message
+
+
+def test_a_second_process_on_a_run_folder_is_refused_while_the_first_holds_it(tmp_path, text_file, capsys):
+    from dilated_attention.training.run_folder import RunLock
+
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=2), CONFIG, progress=False)
+    with RunLock(run):  # as a running process holds it
+        for argv in (["train", "--resume", run, "--steps", "4"], ["train", "--out", run, "--data", text_file]):
+            message = _error(argv, capsys)
+            assert f"{run} is in use by another process (PID {os.getpid()} holds" in message
+    assert len(read_log(run)) == 2
+    assert train(run, settings(text_file, steps=3, data=os.path.abspath(text_file)), resume=True,
+                 progress=False)["step"] == 3  # released: the next run takes it
+
+
+def test_concurrent_runs_into_one_folder_leave_one_whole_run(tmp_path, text_file):
+    config = tmp_path / "model.json"
+    config.write_text(CONFIG.to_json())
+    run = str(tmp_path / "same")
+    argv = [sys.executable, "-m", "dilated_attention", "train", "--out", run, "--config", str(config), "--data",
+            text_file, "--context", "64", "--batch-size", "4", "--steps", "30", "--no-progress"]
+    processes = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(3)]
+    results = [(p.wait(timeout=TIMEOUT_S), p.stderr.read()) for p in processes]
+    assert sorted(code for code, _ in results) == [0, 2, 2], results
+    for code, err in results:
+        assert code == 0 or "is in use by another process" in err or "already holds a run" in err
+    assert [r["step"] for r in read_log(run)] == list(range(1, 31))
+    assert checkpoint.load_checkpoint(run)["step"] == 30
+
+
+def test_resume_with_minutes_continues_in_timed_sittings(tmp_path, text_file, capsys):
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=6, minutes=1e-9), CONFIG, progress=False)  # stops after step 1
+    assert main(["train", "--resume", run, "--minutes", "1e-9", "--no-progress"]) == 0  # one more step
+    assert "step 2/6 (out of time)" in capsys.readouterr().out
+    assert main(["train", "--resume", run, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "step 6/6 (done)" in out and "the sessions before step 2 included" in out
+    assert [r["step"] for r in read_log(run)] == list(range(1, 7))
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path, text_file, monkeypatch):
+    original = checkpoint.save_checkpoint
+
+    def interrupted(run_dir, state):
+        raise KeyboardInterrupt  # Ctrl-C between config.json and the first checkpoint
+
+    for how in ("resume", "out"):
+        run = str(tmp_path / how)
+        monkeypatch.setattr(checkpoint, "save_checkpoint", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            train(run, settings(text_file, steps=3), CONFIG, progress=False)
+        monkeypatch.setattr(checkpoint, "save_checkpoint", original)
+        assert sorted(os.listdir(run)) == [".lock", "config.json", "log.jsonl"]
+        if how == "resume":
+            summary = train(run, resume=True, progress=False)
+        else:
+            summary = train(run, settings(text_file, steps=3), CONFIG, progress=False)
+        assert summary["step"] == 3 and [r["step"] for r in read_log(run)] == [1, 2, 3]
+
+
+def test_temporaries_of_a_killed_writer_are_removed_when_the_run_restarts(tmp_path, text_file):
+    run = tmp_path / "run"
+    train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
+    stale = run / ".checkpoint.pt.0123456789abcdef.tmp"  # what SIGKILL during a write leaves
+    stale.write_bytes(b"partial checkpoint")
+    train(str(run), settings(text_file, steps=3, data=os.path.abspath(text_file)), resume=True, progress=False)
+    assert not stale.exists()
+
+
+def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, text_file, capsys, monkeypatch):
+    import errno
+
+    from dilated_attention import files
+
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=2), CONFIG, progress=False)
+    before = open(os.path.join(run, "checkpoint.pt"), "rb").read()
+
+    class FullDisk:
+        """A file on a device that takes 1000 bytes more, then reports ENOSPC."""
+
+        def __init__(self, f):
+            self.f, self.room = f, 1000
+
+        def write(self, data):
+            if len(data) > self.room:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.room -= len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    monkeypatch.setattr(files, "open", lambda *a, **kw: FullDisk(open(*a, **kw)), raising=False)
+    message = _error(["train", "--resume", run, "--steps", "3", "--no-progress"], capsys)
+    monkeypatch.undo()
+    assert "no space left on the device writing the checkpoint" in message
+    assert "the previous checkpoint is intact" in message and "Traceback" not in message
+    assert open(os.path.join(run, "checkpoint.pt"), "rb").read() == before
+    assert not [name for name in os.listdir(run) if name.endswith(".tmp")]
+
+
+def test_evaluation_runs_in_batches_no_larger_than_the_training_batch(tmp_path, text_file, monkeypatch):
+    from dilated_attention.training import trainer
+    from dilated_attention.training.data import evaluation_windows
+
+    rows = []
+
+    class Recording(trainer.LongNetLM):
+        def forward(self, tokens, **kwargs):
+            if not self.training:
+                rows.append(tokens.shape[0])
+            return super().forward(tokens, **kwargs)
+
+    monkeypatch.setattr(trainer, "LongNetLM", Recording)
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=2, eval_interval=2, eval_windows=10, batch_size=4), CONFIG, progress=False)
+    assert rows == [4, 4, 2]
+    inputs, targets = evaluation_windows(load_corpus(text_file).validation, 64, 10)
+    with torch.no_grad():
+        logits = load_model(run)(inputs)
+    whole = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item() / math.log(2)
+    assert read_log(run)[-1]["val_bpb"] == pytest.approx(whole, rel=1e-5)
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["train", "--lr", "1e308"], "lr must be a finite number in (0, 1]"),
+    (["train", "--weight-decay", "1e5"], "weight_decay must be a finite number in [0, 333.333]"),
+    (["train", "--seed", str(2**70)], "argument --seed: must be below 2**63"),
+    (["generate", "--prompt", "a", "--seed", str(2**70)], "argument --seed: must be below 2**63"),
+    (["check", "--seed", "-1"], "argument --seed: must be >= 0"),
+])
+def test_out_of_range_numbers_name_their_argument(argv, fragment, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2 and fragment in capsys.readouterr().err
+
+
+def test_numbers_of_the_wrong_type_are_type_errors_and_ranges_value_errors():
+    with pytest.raises(TypeError, match="lr must be a number, got str"):
+        TrainSettings(lr="0.1")
+    with pytest.raises(ValueError, match=re.escape("seed must be in [0, 2**63), got -1")):
+        TrainSettings(seed=-1)
+    with pytest.raises(TypeError, match="rotary_base must be a number"):
+        LongNetConfig(rotary_base=None)
+    with pytest.raises(ValueError, match="layer_norm_eps must be a finite number > 0"):
+        LongNetConfig(layer_norm_eps=float("nan"))
+
+
+def test_a_prompt_that_is_not_utf8_is_taken_as_its_bytes(tmp_path, text_file, capsys):
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=2), CONFIG, progress=False)
+    prompt = os.fsdecode(b"caf\xe9 \xff")  # Latin-1 bytes, as a shell passes them
+    assert main(["generate", "--run", run, "--prompt", prompt, "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("caf\ufffd \ufffd")
+
+
+def test_a_tiny_temperature_samples_the_likeliest_tokens():
+    from dilated_attention.models.generate import sample_next
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 256, generator=gen)
+    for temperature in (1e-50, 1e-320):
+        assert torch.equal(sample_next(logits, temperature, generator=gen), logits.argmax(-1))
+    tied = torch.tensor([[1.0, 3.0, 3.0, -2.0]])
+    assert {int(sample_next(tied, 1e-300, generator=gen)) for _ in range(60)} == {1, 2}
+
+
+def test_training_checks_its_extra_before_writing_anything(tmp_path, text_file, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # as after a plain `pip install .`
+    out = tmp_path / "run"
+    message = _error(["train", "--out", str(out), "--data", text_file], capsys)
+    assert "training needs tqdm (the 'train' extra)" in message and 'pip install -e ".[train]"' in message
+    assert not out.exists()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    message = _error(["pattern", "--segment-lengths", "4", "--dilation-rates", "1", "--length", "8", "--heads",
+                      "1", "--out", str(tmp_path / "p.png")], capsys)
+    assert "pattern needs matplotlib (the 'plot' extra)" in message and not (tmp_path / "p.png").exists()
+
+
+def test_progress_reports_bits_per_byte_and_the_mean_speed_of_the_interval(tmp_path, text_file, capsys,
+                                                                           monkeypatch):
+    from dilated_attention.training import trainer
+
+    postfixes = []
+
+    class Bar:
+        disable = True  # output to a file: one line per evaluation
+
+        def update(self, n):
+            pass
+
+        def set_postfix(self, **values):
+            postfixes.append(values)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(trainer, "_progress_bar", lambda *args, **kwargs: Bar())
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=6, eval_interval=3), CONFIG, progress=True)
+    assert all(set(p) == {"bpb", "tokens_per_s"} for p in postfixes) and len(postfixes) == 6
+    records = read_log(run)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2
+    for line, interval in zip(lines, (records[:3], records[3:])):
+        tokens = sum(4 * 64 for _ in interval)
+        seconds = sum(4 * 64 / r["tokens_per_s"] for r in interval)
+        shown = float(line.split(", ")[-1].split(" tokens/s")[0])
+        assert f"loss {interval[-1]['bpb']:.3f} bits per byte" in line
+        assert shown == pytest.approx(tokens / seconds, abs=1)
+
+
+def test_a_longer_run_is_remembered_so_a_plain_resume_works_later(tmp_path, text_file, capsys):
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=2), CONFIG, progress=False)
+    assert main(["train", "--resume", run, "--steps", "4", "--no-progress"]) == 0
+    assert "sessions before step 2" in capsys.readouterr().out
+    assert main(["train", "--resume", run, "--no-progress"]) == 0  # the total is now 4
+    assert "step 4/4 (done)" in capsys.readouterr().out

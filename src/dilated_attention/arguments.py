@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from .validation import SEED_LIMIT
+
 
 def number(kind, low: float, inclusive: bool = True):
     """An argparse type: a finite ``kind`` (``int`` or ``float``) ``>= low`` (``> low``
@@ -25,6 +27,14 @@ def number(kind, low: float, inclusive: bool = True):
 
 positive_int = number(int, 1)
 positive_float = number(float, 0, inclusive=False)
+
+
+def seed(text: str) -> int:
+    """An argparse type: a seed, an int in ``[0, 2**63)`` (what every torch generator accepts)."""
+    value = number(int, 0)(text)
+    if value >= SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be below 2**63, got {text}")
+    return value
 
 
 def device_type(name: Optional[str]) -> str:

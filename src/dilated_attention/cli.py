@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 import torch
 
 from . import __version__, benchmark, validation
-from .arguments import device_type, positive_float, positive_int
+from .arguments import device_type, positive_float, positive_int, seed
+from .extras import MissingExtra, require
 from .files import fresh_folder, write_results
 from .plan import MODES
 from .training.commands import add_generate, add_train
@@ -40,6 +41,7 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_pattern(args) -> int:
+    require("plot", "pattern")
     segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)
     if args.grid:
         return _grid_pattern(args, segs, rates)
@@ -91,8 +93,11 @@ def _grid_pattern(args, segs, rates) -> int:
 
 
 def _bench_setup(args) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Check the device, set the threads; the branches of a benchmark command."""
+    """Check the device and the plot's extra, set the threads; the branches of a
+    benchmark command."""
     device_type(args.device)
+    if not args.no_plot:
+        require("plot", "the plot of the results (or pass --no-plot)")
     if args.threads:
         torch.set_num_threads(args.threads)
     return validation.check_branches(args.segment_lengths, args.dilation_rates)
@@ -196,7 +201,7 @@ def _add_check(sub) -> None:
     check.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
     check.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float64", "float32"],
                        help="dtypes to check, each against its tolerance (default: float64 float32)")
-    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    check.add_argument("--seed", type=seed, default=0, help="seed of the random inputs, in [0, 2**63) (default: 0)")
     check.set_defaults(run=_cmd_check)
 
 
@@ -310,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, MissingExtra) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -252,8 +252,8 @@ def _call(cfg: EngineConfig, block: Block, q, bad_q, source: KeySource, seed, gr
         if query_flags is None:
             query_flags = key_flags.new_zeros(*key_flags.shape[:2], block.queries.count, block.queries.head_count)
         if key_flags is None:
-            key_heads = keys.rows.head_count if keys.index is None else len(keys.index)
-            key_flags = query_flags.new_zeros(*query_flags.shape[:2], block.keys.count, key_heads)
+            kv_head_count = keys.rows.head_count if keys.index is None else len(keys.index)
+            key_flags = query_flags.new_zeros(*query_flags.shape[:2], block.keys.count, kv_head_count)
         bad = (_to_kernel(query_flags), _to_kernel(key_flags))
     dropout = None
     if seed is not None:

@@ -5,8 +5,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import uuid
 from typing import IO, Iterator
+
+# The suffix of atomic_write's temporary files (``.NAME.<random hex>.tmp``).
+TEMPORARY_SUFFIX = ".tmp"
+
+
+def temporary_path(path: str) -> str:
+    """A new name beside ``path`` for a file that becomes ``path`` once written whole:
+    ``.NAME.<random hex>.tmp``."""
+    folder, name = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
+    return os.path.join(folder, f".{name}.{uuid.uuid4().hex}{TEMPORARY_SUFFIX}")
 
 
 @contextlib.contextmanager
@@ -15,10 +28,7 @@ def atomic_write(path: str, binary: bool = False) -> Iterator[IO]:
     ends without error, replace ``path`` by it (``os.replace``), else delete it.
 
     A reader of ``path`` sees the old file or the new one, never part of one."""
-    folder, name = os.path.split(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
-    temporary = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
+    temporary = temporary_path(path)
     mode, encoding = ("xb", None) if binary else ("x", "utf-8")
     f = open(temporary, mode, encoding=encoding)
     try:
@@ -30,6 +40,19 @@ def atomic_write(path: str, binary: bool = False) -> Iterator[IO]:
     except BaseException:
         os.remove(temporary)
         raise
+
+
+def link_atomically(source: str, path: str) -> None:
+    """Make ``path`` name the file ``source`` names (a hard link; a copy where the file
+    system has none), replacing what ``path`` named in one step."""
+    temporary = temporary_path(path)
+    try:
+        os.link(source, temporary)
+    except OSError:
+        with atomic_write(path, binary=True) as f, open(source, "rb") as original:
+            shutil.copyfileobj(original, f)
+        return
+    os.replace(temporary, path)
 
 
 def write_results(stem: str, payload: dict, table: str) -> None:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+from .extras import require
 from .files import atomic_write
 
 
 def pyplot():
-    """``matplotlib.pyplot`` on the non-interactive Agg backend, or a clear error."""
-    try:
-        import matplotlib
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, or a clear
+    :class:`dilated_attention.extras.MissingExtra`."""
+    require("plot", "drawing")
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError("drawing needs matplotlib: pip install 'dilated-attention[plot]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     return plt
 
 

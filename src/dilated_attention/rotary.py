@@ -29,9 +29,8 @@ class RotaryEmbedding(nn.Module):
         validation.check_positive_int(head_dim, "head_dim")
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings (channel pairs), got {head_dim}")
-        if not (isinstance(base, (int, float)) and not isinstance(base, bool) and 1.0 < base < float("inf")):
-            raise ValueError(f"base must be a finite number > 1, got {base!r}")
-        self.head_dim, self.base = int(head_dim), float(base)
+        self.head_dim = int(head_dim)
+        self.base = validation.check_number(base, "base", 1, low_open=True)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x`` ``(B, N, H, D)``, ``positions`` integer ``(N,)`` or ``(B, N)`` -> rotated ``(B, N, H, D)``."""

@@ -21,6 +21,9 @@ FLOAT_DTYPES = {
 # The largest position a key may have (positions are int64, with room to spare).
 MAX_POSITION = 2**62
 
+# Seeds are ints in [0, SEED_LIMIT): what every torch generator accepts.
+SEED_LIMIT = 2**63
+
 # Tensor layouts the functional API accepts: ours, and PyTorch SDPA's.
 LAYOUTS = {"bnhd": "(batch, seq_len, heads, head_dim)", "bhnd": "(batch, heads, seq_len, head_dim)"}
 
@@ -164,23 +167,58 @@ def check_qkv(q, k, v, layout: str = "bnhd") -> None:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}: move it")
 
 
-def _check_int_at_least(value, name: str, least: int) -> int:
-    """An int ``>= least`` (not a bool)."""
+def check_int(value, name: str, least: int, below: Optional[int] = None) -> int:
+    """An int ``>= least`` (and ``< below``, if given), not a bool: else a ``TypeError``
+    (not an int) or a ``ValueError`` (out of range)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type_name(value)}")
-    if value < least:
-        raise ValueError(f"{name} must be >= {least}, got {value}")
+    if value < least or (below is not None and value >= below):
+        bound = f">= {least}" if below is None else f"in [{least}, {_power_of_two(below)})"
+        raise ValueError(f"{name} must be {bound}, got {value}")
     return int(value)
+
+
+def _power_of_two(value: int) -> str:
+    """``2**63`` for a large power of two, else the number."""
+    return f"2**{value.bit_length() - 1}" if value > 2**16 and value & (value - 1) == 0 else str(value)
 
 
 def check_positive_int(value, name: str) -> int:
     """An int ``>= 1`` (not a bool)."""
-    return _check_int_at_least(value, name, 1)
+    return check_int(value, name, 1)
 
 
 def check_non_negative_int(value, name: str) -> int:
     """An int ``>= 0`` (not a bool)."""
-    return _check_int_at_least(value, name, 0)
+    return check_int(value, name, 0)
+
+
+def check_number(value, name: str, low: float = -math.inf, high: float = math.inf, *, low_open: bool = False,
+                 high_open: bool = False, meaning: str = "") -> float:
+    """A finite real number (not a bool) from ``low`` to ``high``, each end included
+    unless open, as a float: else a ``TypeError`` (not a number) or a ``ValueError``
+    (out of range or not finite); ``meaning`` is added to the message."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type_name(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        number = math.inf if value > 0 else -math.inf
+    above_low = number > low if low_open else number >= low
+    below_high = number < high if high_open else number <= high
+    if not (math.isfinite(number) and above_low and below_high):
+        raise ValueError(f"{name} must be a finite number {_interval(low, high, low_open, high_open)}{meaning}, "
+                         f"got {value!r}")
+    return number
+
+
+def _interval(low: float, high: float, low_open: bool, high_open: bool) -> str:
+    """``> 0``, ``<= 1``, ``in (0, 1]``: the range as a message says it."""
+    if math.isinf(high):
+        return f"{'>' if low_open else '>='} {low:g}"
+    if math.isinf(low):
+        return f"{'<' if high_open else '<='} {high:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
 
 
 def check_per_row_ints(value, name: str, batch: int) -> tuple[int, ...]:

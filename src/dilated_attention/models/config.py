@@ -61,10 +61,8 @@ class LongNetConfig:
             raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim (dim / heads), got {self.head_dim}")
-        for name, low in (("rotary_base", 1), ("layer_norm_eps", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < math.inf:
-                raise ValueError(f"{name} must be a finite number > {low}, got {value!r}")
+        validation.check_number(self.rotary_base, "rotary_base", 1, low_open=True)
+        validation.check_number(self.layer_norm_eps, "layer_norm_eps", 0, low_open=True)
 
     @property
     def head_dim(self) -> int:

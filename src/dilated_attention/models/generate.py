@@ -3,8 +3,6 @@ segment, however long the text grows."""
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Iterator, Optional
 
 import torch
@@ -13,14 +11,12 @@ from .. import validation
 
 
 def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be a finite number >= 0 (0: the likeliest token), got {temperature!r}")
+    validation.check_non_negative_int(max_new_tokens, "max_new_tokens")
+    validation.check_number(temperature, "temperature", 0, meaning=" (0: the likeliest token)")
     if top_k is not None:
         validation.check_positive_int(top_k, "top_k")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if top_p is not None:
+        validation.check_number(top_p, "top_p", 0, 1, low_open=True)
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
@@ -28,12 +24,15 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     """``logits`` ``(B, V)`` -> ``(B,)`` token ids: the likeliest with ``temperature=0``,
     else drawn from ``softmax(logits / temperature)`` kept to the ``top_k`` likeliest
     tokens and to the smallest set whose probability reaches ``top_p``."""
-    logits = logits.float()
+    # float64: a temperature down to the smallest float64 (1e-320) divides without
+    # overflowing the likeliest token's 0, so a tiny temperature samples the likeliest
+    # tokens (uniformly among ties), as its limit does.
+    logits = logits.double()
     if not bool(torch.isfinite(logits).all()):
         raise ValueError("the model's logits are not all finite (NaN or infinity): the weights have diverged")
     if temperature == 0:
         return logits.argmax(-1)
-    logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # the likeliest stays 0 however small T is
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,6 +1,6 @@
 """Training a LongNet language model on bytes: data, loop, checkpoints, processes.
 
-Needs the ``train`` extra (tqdm, matplotlib): ``pip install 'dilated-attention[train]'``.
+Needs the ``train`` extra (tqdm, matplotlib): ``python3 -m pip install -e ".[train]"`` in a clone.
 """
 
 from .data import Corpus, load_corpus

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..arguments import device_type, number
+from ..arguments import device_type, number, seed
 from ..models import PRESETS, LongNetConfig
 from . import checkpoint
 from .run_folder import read_log, read_run_config
@@ -31,7 +31,7 @@ _SETTINGS = [
     ("--warmup-steps", "warmup_steps", number(int, 0), "steps of linear warmup, then a cosine to lr/10"),
     ("--weight-decay", "weight_decay", number(float, 0), "AdamW weight decay on matrices"),
     ("--grad-clip", "grad_clip", number(float, 0, False), "clip the gradient norm to this"),
-    ("--seed", "seed", int, "seed of the initialisation, the batches and dropout"),
+    ("--seed", "seed", seed, "seed of the initialisation, the batches and dropout, in [0, 2**63)"),
     ("--eval-interval", "eval_interval", number(int, 1), "steps between validation losses"),
     ("--eval-windows", "eval_windows", number(int, 1), "validation sequences per evaluation"),
     ("--checkpoint-interval", "checkpoint_interval", number(int, 1), "steps between checkpoints"),
@@ -83,7 +83,8 @@ def _cmd_train(args) -> int:
         if args.preset or args.config:
             raise ValueError("a resumed run keeps its model: drop --preset/--config")
         _, saved = read_run_config(args.resume)
-        run_dir, config, settings = args.resume, None, dataclasses.replace(saved, minutes=None, **given)
+        # A time limit is per invocation: the saved one does not carry over.
+        run_dir, config, settings = args.resume, None, dataclasses.replace(saved, **{"minutes": None, **given})
     else:
         config = _model_config(args)
         given.setdefault("context", max(TrainSettings.context, config.max_segment))
@@ -120,8 +121,9 @@ def _report(summary: dict) -> None:
     print(f"trained {summary['parameters']:,} parameters on {summary['corpus']}")
     losses = (f": training loss {records[0]['bpb']:.2f} -> {records[-1]['bpb']:.2f} bits per byte" if records
               else " (no steps logged)")
+    earlier = f", the sessions before step {summary['resumed_from']} included" if summary["resumed_from"] else ""
     print(f"step {summary['step']}/{summary['steps']} ({summary['stopped']}) after {summary['elapsed_s']:.0f} s of "
-          f"training in all (resumed sessions included){losses}"
+          f"training in all{earlier}{losses}"
           + (f", validation {evaluated[-1]['val_bpb']:.2f}" if evaluated else ""))
     print(f"run folder: {summary['run_dir']} (log.jsonl, loss.png, checkpoint.pt)")
     if summary["stopped"] != "done":
@@ -137,14 +139,15 @@ def add_generate(sub, add_command) -> None:
     )
     p.add_argument("--run", dest="run_dir", metavar="RUN_DIR",
                    help=f"the run folder (default: the newest under {RUNS}/)")
-    p.add_argument("--prompt", required=True, help="the text to continue (required)")
+    p.add_argument("--prompt", required=True,
+                   help="the text to continue, taken as the bytes the command line passes (required)")
     p.add_argument("--max-new-tokens", type=number(int, 0), default=200, help="bytes to sample (default: 200)")
     p.add_argument("--temperature", type=number(float, 0), default=0.8,
                    help="sampling temperature; 0 always takes the likeliest byte (default: 0.8)")
     p.add_argument("--top-k", type=number(int, 1), help="sample among the k likeliest bytes (default: all)")
     p.add_argument("--top-p", type=number(float, 0, False), default=0.95,
                    help="sample among the likeliest bytes whose probability reaches p (default: 0.95)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default: 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the sampling, in [0, 2**63) (default: 0)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
     p.set_defaults(run=_cmd_generate)
 
@@ -169,14 +172,16 @@ def _cmd_generate(args) -> int:
     if model.config.vocab_size != 256:
         raise ValueError(f"generate reads and writes text as bytes, but {run_dir}'s model has vocab_size "
                          f"{model.config.vocab_size}, not 256")
-    prompt = torch.tensor(list(args.prompt.encode("utf-8")), dtype=torch.long)
+    # The bytes as passed, also where they are not UTF-8 (the model reads bytes).
+    prompt_bytes = os.fsencode(args.prompt)
+    prompt = torch.tensor(list(prompt_bytes), dtype=torch.long)
     if not len(prompt):
         raise ValueError("--prompt must not be empty: give at least one character to continue")
     cache = model.new_cache(1)
     generator = torch.Generator(device).manual_seed(args.seed)
     print(f"[{run_dir}]", file=sys.stderr)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(decoder.decode(prompt_bytes))
     started, count = time.perf_counter(), 0
     for token in stream(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, generator=generator, cache=cache):

@@ -16,12 +16,14 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ..arguments import device_type
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -68,6 +70,24 @@ class Parallel:
         values: list = [None] * self.world
         dist.all_gather_object(values, value)
         return values
+
+    def on_main(self, fn: Callable[[], T]) -> Optional[T]:
+        """``fn()`` on rank 0 only: its result there, ``None`` elsewhere. A ``ValueError``
+        it raises is raised on every rank (a collective), so that all ranks stop alike."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except ValueError as exc:
+                if self.world == 1:
+                    raise
+                error = str(exc)
+        if self.world > 1:
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0)
+            if shared[0] is not None:
+                raise ValueError(shared[0])
+        return result
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The module to call in training: ``DistributedDataParallel`` for data parallel."""

@@ -1,19 +1,102 @@
 """A run folder's files: ``config.json`` (the model and the settings), ``log.jsonl``
-(one record per step) and ``loss.png``; the checkpoint is :mod:`.checkpoint`'s."""
+(one record per step) and ``loss.png``; the checkpoint is :mod:`.checkpoint`'s; and
+``.lock``, which the process running the run holds (:class:`RunLock`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+from typing import Optional
 
-from ..files import atomic_write
+from ..files import TEMPORARY_SUFFIX, atomic_write
 from ..models import LongNetConfig
 from .settings import TrainSettings
 
 CONFIG = "config.json"
 LOG = "log.jsonl"
 PLOT = "loss.png"
+LOCK = ".lock"
+
+
+class RunLock:
+    """An OS lock on a run folder, held by the one process that runs the run, for as
+    long as it runs: ``run_dir/.lock`` (created if missing, never deleted) is locked
+    with ``flock`` (``msvcrt.locking`` on Windows) and holds the holder's PID. The OS
+    releases the lock when the process ends, however it ends, so a killed run never
+    leaves its folder locked. A second process gets a ``ValueError`` naming the
+    folder and the holder's PID."""
+
+    def __init__(self, run_dir: str):
+        path = os.path.join(run_dir, LOCK)
+        try:
+            self._fd: Optional[int] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ValueError(f"cannot lock the run folder {run_dir} ({exc.strerror} creating {path})") from None
+        try:
+            _lock(self._fd)
+        except OSError as exc:
+            os.lseek(self._fd, 0, os.SEEK_SET)
+            holder = os.read(self._fd, 32).decode("ascii", "replace").strip() or "unknown"
+            self.release()
+            if exc.errno not in (errno.EACCES, errno.EAGAIN, errno.EDEADLK):
+                raise ValueError(f"cannot lock the run folder {run_dir} ({exc.strerror})") from None
+            raise ValueError(
+                f"{run_dir} is in use by another process (PID {holder} holds {path}): wait until that run ends "
+                "or stop it; two processes on one run folder would corrupt it"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        os.write(self._fd, f"{os.getpid()}\n".encode("ascii"))
+
+    def release(self) -> None:
+        """Give the lock up (closing the file does); a second call does nothing."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _lock(fd: int) -> None:
+    """Lock ``fd`` exclusively without waiting; ``OSError`` if another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def remove_stale_temporaries(run_dir: str) -> list[str]:
+    """Delete the temporary files that writers killed mid-write left in ``run_dir``
+    (``.NAME.<id>.tmp``, see :func:`dilated_attention.files.atomic_write`); call it
+    holding the folder's :class:`RunLock`, so that no live writer owns one. Returns
+    their names."""
+    stale = [name for name in os.listdir(run_dir) if _is_temporary(name)]
+    for name in stale:
+        os.remove(os.path.join(run_dir, name))
+    return stale
+
+
+def never_started(run_dir: str) -> bool:
+    """Whether ``run_dir`` holds nothing but (part of) what a new run writes before its
+    first checkpoint: ``config.json`` and an empty log (a run stopped right after it
+    started), or nothing at all. Such a folder can start its run again."""
+    names = {name for name in os.listdir(run_dir) if name != LOCK and not _is_temporary(name)}
+    return names <= {CONFIG, LOG} and not read_log(run_dir)
+
+
+def _is_temporary(name: str) -> bool:
+    """Whether ``name`` is one of :func:`dilated_attention.files.atomic_write`'s temporaries."""
+    return name.startswith(".") and name.endswith(TEMPORARY_SUFFIX)
 
 
 def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
@@ -29,13 +112,25 @@ def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
         raise ValueError(f"{path} is not a valid run configuration: {exc}") from None
 
 
-def start_run_folder(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> None:
+def make_run_folder(run_dir: str) -> None:
+    """Create ``run_dir`` (and its parents) if missing."""
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ValueError(f"--out {run_dir} is a file, not a folder: pick a new folder for the run")
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"--out {run_dir}: cannot create the run folder ({exc.strerror})") from None
+
+
+def write_run_config(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> None:
+    """``config.json``: what :func:`read_run_config` reads back."""
     with atomic_write(os.path.join(run_dir, CONFIG)) as f:
         json.dump({"model": model_config.to_dict(), "training": dataclasses.asdict(settings)}, f, indent=1)
+
+
+def start_run_folder(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> None:
+    """A new run's ``config.json`` and empty log."""
+    write_run_config(run_dir, model_config, settings)
     with atomic_write(os.path.join(run_dir, LOG)) as f:
         f.write("")
 

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from .. import validation
+
 AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 
@@ -46,20 +48,19 @@ class TrainSettings:
 
     def __post_init__(self):
         for name in ("context", "batch_size", "steps", "eval_interval", "eval_windows", "checkpoint_interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        for name, low, high in (("lr", 0, math.inf), ("min_lr_ratio", 0, 1), ("weight_decay", 0, math.inf),
-                                ("grad_clip", 0, math.inf)):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high:
-                raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
-            if name in ("lr", "grad_clip") and not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if self.minutes is not None and not 0 < self.minutes < math.inf:
-            raise ValueError(f"minutes must be a number > 0, got {self.minutes!r}")
+            validation.check_positive_int(getattr(self, name), name)
+        validation.check_non_negative_int(self.warmup_steps, "warmup_steps")
+        validation.check_int(self.seed, "seed", 0, validation.SEED_LIMIT)
+        validation.check_number(self.lr, "lr", 0, 1, low_open=True,
+                                meaning=" (AdamW moves each weight by about lr per step)")
+        validation.check_number(self.min_lr_ratio, "min_lr_ratio", 0, 1)
+        validation.check_number(self.weight_decay, "weight_decay", 0, 1 / self.lr,
+                                meaning=" (AdamW multiplies each matrix by 1 - lr * weight_decay per step)")
+        validation.check_number(self.grad_clip, "grad_clip", 0, low_open=True)
+        if self.minutes is not None:
+            validation.check_number(self.minutes, "minutes", 0, low_open=True)
+        for name in ("grad_checkpointing", "sequence_parallel"):
+            validation.check_flag(getattr(self, name), name)
         if self.dtype not in AUTOCAST_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(AUTOCAST_DTYPES)}, got {self.dtype!r}")
 

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch.nn import functional as F
 
+from ..extras import require
 from ..models import LongNetConfig, LongNetLM
 from . import checkpoint, parallel, run_folder
 from .data import Batches, check_long_enough, evaluation_windows, load_corpus
@@ -98,27 +99,64 @@ def train(
     ``callback(record)`` is called after every step with the step's log record (on
     rank 0). Launched by ``torchrun``, the processes share each step (see
     :mod:`dilated_attention.training.parallel`); every check that can fail runs on
-    every rank before the first collective, so that all ranks fail alike.
+    every rank, or on rank 0 with its outcome shared, so that all ranks fail alike.
+
+    The run holds its folder's :class:`~dilated_attention.training.run_folder.RunLock`
+    (rank 0 does, under ``torchrun``) from start to end: a second process on the
+    same folder gets an error, not a share of it. A run interrupted before its first
+    checkpoint starts again from step 0 with ``resume=True``, or as a new run in the
+    same folder.
     """
+    require("train", "training")
     if resume:
         model_config, saved = run_folder.read_run_config(run_dir)
         settings = _resumed_settings(saved, settings)
     elif settings is None or model_config is None:
         raise ValueError("a new run needs settings and model_config")
     else:
-        settings = _check_new_run(run_dir, settings, model_config)
+        settings = _check_new_run(settings, model_config)
     place = parallel.setup(settings.sequence_parallel, device)
     try:
-        return _train(run_dir, settings, model_config, resume, place, callback, progress)
+        _check_split(settings, place)
+        corpus = load_corpus(settings.data)
+        check_long_enough(corpus, settings.context)
+        lock = place.on_main(lambda: _claim_run_folder(run_dir, resume))
+        try:
+            return _train(run_dir, settings, model_config, corpus, resume, place, callback, progress)
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
         place.close()
 
 
-def _train(run_dir, settings, model_config, resume, place, callback, progress) -> dict:
-    """:func:`train` once the settings are known and this process has its place."""
-    _check_split(settings, place)
-    corpus = load_corpus(settings.data)
-    check_long_enough(corpus, settings.context)
+def _claim_run_folder(run_dir: str, resume: bool) -> run_folder.RunLock:
+    """Lock the run folder (a new run's created first), delete what writers killed
+    mid-write left in it, and refuse a new run's folder if it holds anything but an
+    earlier start of a run that never reached its first checkpoint."""
+    if not resume:
+        run_folder.make_run_folder(run_dir)
+    lock = run_folder.RunLock(run_dir)
+    try:
+        run_folder.remove_stale_temporaries(run_dir)
+        if not resume:
+            if os.path.isfile(os.path.join(run_dir, checkpoint.CHECKPOINT)):
+                raise ValueError(
+                    f"{run_dir} already holds a run: continue it with --resume {run_dir}, or pick another --out"
+                )
+            if not run_folder.never_started(run_dir):
+                raise ValueError(
+                    f"--out {run_dir} is a folder with files in it: pick an empty or new folder for the run"
+                )
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _train(run_dir, settings, model_config, corpus, resume, place, callback, progress) -> dict:
+    """:func:`train` once the settings and the text are known, this process has its
+    place and the run its folder."""
     state = _checked_state(run_dir, model_config, settings) if resume else None
 
     torch.manual_seed(settings.seed)
@@ -142,8 +180,10 @@ def _train(run_dir, settings, model_config, resume, place, callback, progress) -
         step, elapsed = state["step"], state["elapsed_s"]
         if place.is_main:
             run_folder.truncate_log(run_dir, step)
+            run_folder.write_run_config(run_dir, model_config, settings)  # the total steps may have changed
     elif place.is_main:
         run_folder.start_run_folder(run_dir, model_config, settings)
+    first_step = step
     trained = place.wrap(model)
     autocast = AUTOCAST_DTYPES[settings.dtype]
     evaluation = evaluation_windows(corpus.validation, settings.context, settings.eval_windows)
@@ -158,10 +198,12 @@ def _train(run_dir, settings, model_config, resume, place, callback, progress) -
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
     def evaluate() -> float:
-        """Validation loss in bits per byte."""
+        """Validation loss in bits per byte, over the evaluation windows in batches of
+        at most ``batch_size`` (so that memory does not grow with their number)."""
         model.eval()
         with torch.no_grad():
-            total = place.sum(loss_sum(model, *evaluation))
+            batches = zip(*(t.split(settings.batch_size) for t in evaluation))
+            total = place.sum(sum(loss_sum(model, inputs, targets) for inputs, targets in batches))
         model.train()
         return float(total) / evaluation[1].numel() / math.log(2)
 
@@ -180,6 +222,7 @@ def _train(run_dir, settings, model_config, resume, place, callback, progress) -
     bar = _progress_bar(settings.steps, step, enabled=progress and place.is_main)
     model.train()
     stop_reason, session = "done", 0.0
+    speed = _Speed()
     with _StopRequest() as stop:
         while step < settings.steps:
             tick = time.perf_counter()
@@ -198,6 +241,7 @@ def _train(run_dir, settings, model_config, resume, place, callback, progress) -
             elapsed, session = elapsed + seconds, session + seconds
             record = {"step": step, "loss": loss, "bpb": loss / math.log(2), "lr": scheduler.get_last_lr()[0],
                       "tokens_per_s": count / seconds, "elapsed_s": elapsed}
+            speed.add(count, seconds)
             last = step == settings.steps
             out_of_time = _agree(place, settings.minutes is not None and session >= 60 * settings.minutes)
             if step % settings.eval_interval == 0 or last or out_of_time:
@@ -205,11 +249,13 @@ def _train(run_dir, settings, model_config, resume, place, callback, progress) -
             if place.is_main:
                 run_folder.append_log(run_dir, record)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.set_postfix(bpb=f"{record['bpb']:.3f}", tokens_per_s=f"{speed.mean():.0f}")
                 if progress and bar.disable and "val_bpb" in record:
-                    _print_evaluation(record, settings.steps)
+                    _print_evaluation(record, settings.steps, speed.mean())
                 if callback is not None:
                     callback(record)
+            if "val_bpb" in record:
+                speed = _Speed()
             interrupted = _agree(place, stop.requested)
             stop_now = out_of_time or interrupted
             if step % settings.checkpoint_interval == 0 or last or stop_now:
@@ -222,7 +268,22 @@ def _train(run_dir, settings, model_config, resume, place, callback, progress) -
                 break
     bar.close()
     return {"run_dir": run_dir, "step": step, "steps": settings.steps, "stopped": stop_reason,
-            "elapsed_s": elapsed, "corpus": corpus.source, "parameters": model.num_parameters()}
+            "elapsed_s": elapsed, "corpus": corpus.source, "parameters": model.num_parameters(),
+            "resumed_from": first_step}
+
+
+class _Speed:
+    """Tokens per second of training over the steps since the last evaluation (the
+    mean, not one step's figure)."""
+
+    def __init__(self):
+        self.tokens, self.seconds = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+
+    def mean(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
 
 
 def _resumed_settings(saved: TrainSettings, given: Optional[TrainSettings]) -> TrainSettings:
@@ -255,19 +316,10 @@ def _check_model(model_config: LongNetConfig, settings: TrainSettings) -> None:
         )
 
 
-def _check_new_run(run_dir: str, settings: TrainSettings, model_config: LongNetConfig) -> TrainSettings:
-    """Refuse a run folder that exists and is not empty (or is a file); the settings
-    with the data path made absolute, so that a resumed run reads the same files."""
+def _check_new_run(settings: TrainSettings, model_config: LongNetConfig) -> TrainSettings:
+    """The settings with the data path made absolute, so that a resumed run reads the
+    same files (the folder is checked once it is locked: :func:`_claim_run_folder`)."""
     _check_model(model_config, settings)
-    if os.path.exists(run_dir):
-        if not os.path.isdir(run_dir):
-            raise ValueError(f"--out {run_dir} is a file, not a folder: pick a new folder for the run")
-        if os.path.isfile(os.path.join(run_dir, checkpoint.CHECKPOINT)):
-            raise ValueError(
-                f"{run_dir} already holds a run: continue it with --resume {run_dir}, or pick another --out"
-            )
-        if os.listdir(run_dir):
-            raise ValueError(f"--out {run_dir} is a folder with files in it: pick an empty or new folder for the run")
     data = None if settings.data is None else os.path.abspath(settings.data)
     return dataclasses.replace(settings, data=data)
 
@@ -279,8 +331,12 @@ def _check_split(settings: TrainSettings, place) -> None:
         raise ValueError(f"--context {settings.context} is shorter than the {place.world} sequence shards")
 
 
-def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> dict:
-    """The checkpoint to resume, checked against the run's configuration and log."""
+def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> Optional[dict]:
+    """The checkpoint to resume, checked against the run's configuration and log;
+    ``None`` for a run stopped before its first checkpoint (it starts from step 0)."""
+    if run_folder.never_started(run_dir):
+        _check_model(model_config, settings)
+        return None
     state = checkpoint.load_checkpoint(run_dir)
     _matching_config(run_dir, model_config, state)
     _check_model(model_config, settings)
@@ -322,6 +378,7 @@ def _progress_bar(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, disable=None if enabled else True, unit="step", dynamic_ncols=True)
 
 
-def _print_evaluation(record: dict, steps: int) -> None:
+def _print_evaluation(record: dict, steps: int, tokens_per_s: float) -> None:
     print(f"step {record['step']}/{steps}: loss {record['bpb']:.3f} bits per byte, validation "
-          f"{record['val_bpb']:.3f}, {record['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
+          f"{record['val_bpb']:.3f}, {tokens_per_s:.0f} tokens/s since the last evaluation", file=sys.stderr,
+          flush=True)
