@@ -59,8 +59,8 @@ def measure(setup: str, length: int, new_tokens: int) -> dict:
             times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    cache_argument = "cache" if int(__import__("transformers").__version__.split(".")[0]) >= 5 else "past_key_values"
-    extra = {} if cache is None else {cache_argument: cache}
+    # past_key_values=: the name every supported transformers version takes
+    extra = {} if cache is None else {"past_key_values": cache}
     with torch.no_grad(), PeakMemory(torch.device("cpu")) as peak:
         start = time.perf_counter()
         result = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,

@@ -7,9 +7,9 @@ bytes) and asked to continue a prompt. Runs on the CPU in about half a minute.
 
 import argparse
 import time
+import warnings
 
 import torch
-import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dilated_attention.integrations.transformers import DilatedCache, register
@@ -44,10 +44,11 @@ print(f"{args.steps} steps in {time.perf_counter() - start:.1f} s")
 model.eval()
 prompt = torch.tensor([list(b"def ")])
 # DilatedCache keeps the last max(segment_lengths) - 1 = 255 positions per layer (300 new bytes
-# slide past that): memory stays constant however long the text. generate takes it as cache=
-# (transformers 5) or past_key_values= (4.x).
-cache = {"cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values": DilatedCache(model)}
+# slide past that): memory stays constant however long the text. generate takes it as
+# past_key_values=, the name every supported transformers version takes (5.24 renamed it
+# cache= and warns about the old name).
+warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
 with torch.no_grad():
     out = model.generate(prompt, max_new_tokens=300, do_sample=True, top_p=0.95, temperature=0.8,
-                         pad_token_id=0, attention_mask=torch.ones_like(prompt), **cache)
+                         pad_token_id=0, attention_mask=torch.ones_like(prompt), past_key_values=DilatedCache(model))
 print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))

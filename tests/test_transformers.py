@@ -8,21 +8,28 @@ from transformers import (  # noqa: E402
     AttentionInterface,
     GPTBigCodeConfig,
     GPTBigCodeForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask  # noqa: E402
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager  # noqa: E402
 
 from dilated_attention import reference_dilated_attention  # noqa: E402
 from dilated_attention.integrations.transformers import DilatedCache, dilated_attention_forward, register  # noqa: E402
+from dilated_attention.reference import branch_offsets, branch_pattern  # noqa: E402
 
 BRANCHES = dict(segment_lengths=[4, 8], dilation_rates=[1, 2])
 register("dilated", **BRANCHES)
 register("dilated_one_segment", segment_lengths=[4096], dilation_rates=[1])
-# generate's argument for a cache: renamed in transformers 5
-CACHE_ARGUMENT = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+# The tests pass the cache as past_key_values=, the name every supported transformers version
+# takes (5.24 renamed it cache= and warns about the old name).
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
 
 def _reference_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -34,8 +41,25 @@ def _reference_forward(module, query, key, value, attention_mask, dropout=0.0, s
     return out.to(query.dtype), None
 
 
-AttentionInterface.register("dilated_reference", _reference_forward)
-AttentionMaskInterface.register("dilated_reference", flash_attention_mask)
+def _sink_reference_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, s_aux=None,
+                            **kwargs):
+    """Dilated attention with GPT-OSS's sinks as one dense softmax (no padding), built
+    from the definition of ``mixture``: every key weighted by the number of branches
+    that see it, and the sink appended as one more logit, as GPT-OSS's eager attention
+    does."""
+    batch, heads, length, _ = query.shape
+    key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+    segs, rates = BRANCHES["segment_lengths"], BRANCHES["dilation_rates"]
+    seen = sum(branch_pattern(length, w, r, offsets, is_causal=True).double()
+               for w, r, offsets in zip(segs, rates, branch_offsets(heads, segs, rates, "mixture")))
+    logits = query @ key.transpose(2, 3) * scaling + seen.log()
+    logits = torch.cat([logits, s_aux.view(1, heads, 1, 1).expand(batch, heads, length, 1)], dim=-1)
+    return (logits.softmax(-1)[..., :-1] @ value).transpose(1, 2), None
+
+
+for name, function in (("dilated_reference", _reference_forward), ("dilated_sink_reference", _sink_reference_forward)):
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, flash_attention_mask)
 
 
 def tiny(family, **changes):
@@ -121,9 +145,9 @@ def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_n
     mask = left_padded(tokens, [13, 6])
     # With DilatedCache each layer keeps max(w) - 1 = 7 positions: the window slides
     # through the prompt and past row 1's padding while generating.
-    cache = {CACHE_ARGUMENT: DilatedCache(model)} if bounded else {}
+    cache = DilatedCache(model) if bounded else None
     result = model.generate(tokens, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                            output_logits=True, return_dict_in_generate=True, pad_token_id=0, **cache)
+                            output_logits=True, return_dict_in_generate=True, pad_token_id=0, past_key_values=cache)
     for row, length in enumerate([13, 6]):
         sequence = tokens[row : row + 1, 13 - length :]
         for step in range(12):
@@ -133,7 +157,7 @@ def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_n
             sequence = torch.cat([sequence, logits.argmax().view(1, 1)], 1)
         assert torch.equal(result.sequences[row, 13:], sequence[0, length:])
     if bounded:
-        layers = cache[CACHE_ARGUMENT].layers
+        layers = cache.layers
         assert len(layers) == 2 and all(layer.keys.shape[2] == max(BRANCHES["segment_lengths"]) - 1 for layer in layers)
 
 
@@ -146,7 +170,7 @@ def test_the_bounded_cache_fed_in_chunks_gives_the_full_forward():
     cache = DilatedCache(model)
     pieces, start = [], 0
     for size in (9, 1, 5, 13, 1, 1, 11):
-        pieces.append(model(tokens[:, start : start + size], **{CACHE_ARGUMENT: cache}, use_cache=True).logits)
+        pieces.append(model(tokens[:, start : start + size], past_key_values=cache, use_cache=True).logits)
         start += size
         # layers x (k, v) x kept positions (max(w) - 1) x batch x key/value heads x head dim x 8 bytes,
         # in memory of at most twice that (never the whole of a long chunk's keys)
@@ -156,13 +180,49 @@ def test_the_bounded_cache_fed_in_chunks_gives_the_full_forward():
     assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-12
 
 
-def test_the_bounded_cache_needs_a_registration():
+def test_the_bounded_cache_needs_the_model_to_run_the_registration():
     model = tiny("llama")
     with pytest.raises(ValueError, match="not a dilated attention registration"):
-        DilatedCache(model)  # still "eager"/"sdpa"
-    assert DilatedCache(model, name="dilated").window == 8
+        DilatedCache(model)  # still "sdpa"
+    # sdpa would read the kept window as a sliding window: refused, whatever name says
+    with pytest.raises(ValueError, match=r"runs attention implementation 'sdpa'.*set_attn_implementation\('dilated'\)"):
+        DilatedCache(model, name="dilated")
+    with pytest.raises(ValueError, match="runs attention implementation 'sdpa'"):
+        DilatedCache(model.config, name="dilated")
+    model.set_attn_implementation("dilated")
+    assert DilatedCache(model).window == DilatedCache(model.config, name="dilated").window == 8
+    with pytest.raises(ValueError, match="runs attention implementation 'dilated', not 'dilated_one_segment'"):
+        DilatedCache(model, name="dilated_one_segment")
     with pytest.raises(TypeError, match="transformers model or config"):
         DilatedCache("llama")
+
+
+@torch.no_grad()
+def test_a_cache_the_model_does_not_take_is_refused_not_ignored():
+    """past_key_values= is the keyword every supported transformers version takes. A
+    DilatedCache under a name the model's forward does not take (cache= before
+    transformers 5.24) reaches the attention function unused: refused there."""
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    tokens = torch.randint(0, 61, (2, 21))
+    expected = model(tokens).logits
+    cache = DilatedCache(model)
+    try:
+        pieces = [model(part, cache=cache, use_cache=True).logits for part in tokens.split([13, 8], dim=1)]
+    except ValueError as error:  # transformers < 5.24: the model passes cache= on unused
+        assert "did not use the DilatedCache passed as cache=" in str(error)
+    else:  # transformers >= 5.24 takes cache=
+        assert float((torch.cat(pieces, 1) - expected).abs().max() / expected.abs().max()) <= 1e-12
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 4, 6, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    for keyword in ("cache", "past_key_values"):
+        with pytest.raises(ValueError, match=f"did not use the DilatedCache passed as {keyword}=.*past_key_values="):
+            dilated_attention_forward(Module(), q, k, v, None, mode="mixture", head_offsets="interleaved",
+                                      **BRANCHES, **{keyword: DilatedCache(model)})
 
 
 @torch.no_grad()
@@ -179,7 +239,7 @@ def test_a_model_that_passes_no_position_ids_uses_the_cache_window():
     tokens = torch.randint(1, 61, (1, 12))
     options = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     default = model.generate(tokens, **options)
-    bounded = model.generate(tokens, **options, **{CACHE_ARGUMENT: DilatedCache(model)})
+    bounded = model.generate(tokens, **options, past_key_values=DilatedCache(model))
     assert torch.equal(default.sequences, bounded.sequences)
     assert max(float((a - b).abs().max()) for a, b in zip(default.logits, bounded.logits)) <= 1e-5
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -223,6 +283,132 @@ def test_unsupported_uses_are_refused_clearly():
         windowed(tokens)
     with pytest.raises(ValueError, match="new attention implementation name"):
         register("sdpa", **BRANCHES)
+
+
+def tiny_gpt_oss():
+    """A GPT-OSS whose layers are all full attention (its sliding layers are refused),
+    with sinks large enough to matter."""
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=61, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                          num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    config._experts_implementation = "eager"  # the grouped expert kernels take no float64
+    model = GptOssForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model
+
+
+def logits_and_gradients(model, name, tokens, mask=None):
+    """Logits and every parameter's gradient (by name) of a loss on the real tokens."""
+    model.set_attn_implementation(name)
+    model.zero_grad()
+    logits = model(tokens, attention_mask=mask).logits
+    real = torch.ones(tokens.shape, dtype=torch.bool) if mask is None else mask.bool()
+    logits[real].logsumexp(-1).sum().backward()
+    return logits.detach()[real], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close_results(got, expected, tolerance):
+    (a, grads_a), (b, grads_b) = got, expected
+    assert float((a - b).abs().max() / b.abs().max()) <= tolerance
+    assert grads_a.keys() == grads_b.keys() and any("sinks" in n for n in grads_b)
+    for n in grads_b:
+        assert float((grads_a[n] - grads_b[n]).abs().max()) <= tolerance * float(grads_b[n].abs().max()), n
+
+
+def test_attention_sinks_enter_each_softmax_as_gpt_oss_eager_does():
+    """GPT-OSS's eager attention appends each head's sink as one more logit: one whole
+    segment gives its outputs and gradients (queries, keys, values and sinks), for
+    a whole sequence and for the last queries of a key window."""
+
+    class Module(torch.nn.Module):
+        num_key_value_groups, is_causal, training = 3, True, False
+
+    gen = torch.Generator().manual_seed(3)
+    sinks = (2 * torch.randn(6, generator=gen, dtype=torch.float64)).requires_grad_()
+    for num_queries in (13, 4):
+        q = torch.randn(2, 6, num_queries, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(2, 2, 13, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        causal = torch.full((1, 1, num_queries, 13), float("-inf"), dtype=torch.float64).triu(14 - num_queries)
+        module = Module()
+        module.sinks = sinks
+        results = []
+        for run in (lambda: gpt_oss_eager(module, q, k, v, causal, scaling=0.4),
+                    lambda: dilated_attention_forward(module, q, k, v, None, scaling=0.4, s_aux=sinks,
+                                                      segment_lengths=[64], dilation_rates=[1], mode="mixture",
+                                                      head_offsets="interleaved")):
+            out, _ = run()
+            grads = torch.autograd.grad((out * out.detach().cos()).sum(), (q, k, v, sinks))
+            results.append((out.detach(), grads))
+        (a, grads_a), (b, grads_b) = results
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-13)
+        for ga, gb in zip(grads_a, grads_b):
+            assert torch.allclose(ga, gb, rtol=1e-12, atol=1e-13)
+
+
+def test_gpt_oss_with_one_whole_segment_gives_eager_logits_and_gradients():
+    """Logits and every gradient, the sinks' included, with left padding. GPT-OSS's
+    norms compute in float32, so the float64 model agrees to float32 rounding."""
+    model = tiny_gpt_oss()
+    tokens = torch.randint(0, 61, (2, 19))
+    mask = left_padded(tokens, [19, 11])
+    expected = logits_and_gradients(model, "eager", tokens, mask)
+    assert_close_results(logits_and_gradients(model, "dilated_one_segment", tokens, mask), expected, 1e-6)
+
+
+def test_gpt_oss_dilated_layers_with_sinks_match_a_dense_reference():
+    model = tiny_gpt_oss()
+    tokens = torch.randint(0, 61, (2, 23))
+    expected = logits_and_gradients(model, "dilated_sink_reference", tokens)
+    assert_close_results(logits_and_gradients(model, "dilated", tokens), expected, 1e-6)
+
+
+def tiny_llama4(**changes):
+    torch.manual_seed(0)
+    config = Llama4TextConfig(vocab_size=61, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              num_local_experts=2, **changes)
+    config._experts_implementation = "eager"
+    return Llama4ForCausalLM(config).double().eval()
+
+
+@torch.no_grad()
+def test_layers_that_are_not_full_attention_are_refused():
+    """Llama 4's chunked layers attend within chunks (as do sliding layers within a
+    window): refused, naming the layer type. With layer_types all full attention, one
+    whole segment gives the sdpa logits (to float32 rounding: Llama 4's norms and rotary
+    embedding compute in float32)."""
+    tokens = torch.randint(0, 61, (2, 17))
+    chunked = tiny_llama4(attention_chunk_size=5)
+    assert chunked.config.layer_types[0] == "chunked_attention"
+    chunked.set_attn_implementation("dilated")
+    with pytest.raises(ValueError, match=r"layer 0 is a 'chunked_attention' layer.*'full_attention'"):
+        chunked(tokens)
+    full = tiny_llama4(attention_chunk_size=5, layer_types=["full_attention"] * 4)
+    logits = {}
+    for name in ("sdpa", "dilated_one_segment"):
+        full.set_attn_implementation(name)
+        logits[name] = full(tokens).logits
+    a, b = logits["sdpa"], logits["dilated_one_segment"]
+    assert float((a - b).abs().max() / a.abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize("option, value", [
+    ("softcap", 30.0), ("sliding_window", 4), ("head_mask", torch.ones(4)), ("position_bias", torch.zeros(1, 4, 6, 6)),
+    ("sinks", torch.zeros(1, 4, 6, 1)), ("indices", torch.zeros(1, 6, 2, dtype=torch.long)),
+    ("cu_seq_lens_q", torch.tensor([0, 3, 6])), ("s_aux", torch.zeros(1, 4, 6, 1)),
+])
+def test_options_that_change_the_attention_are_refused(option, value):
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, 6, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    with pytest.raises(ValueError, match=option):
+        dilated_attention_forward(Module(), q, k, v, None, mode="mixture", head_offsets="interleaved", **BRANCHES,
+                                  **{option: value})
 
 
 def test_the_core_package_does_not_import_transformers():

@@ -17,8 +17,19 @@ What the function does with what ``transformers`` passes:
   heads map to key heads in a pattern no strided view expresses).
 - ``scaling`` is the softmax scale, ``dropout`` the attention dropout (``transformers``
   passes 0 in eval mode).
+- ``s_aux`` (attention sinks, GPT-OSS: one learned logit per head, ``(H,)``): each
+  query's softmax (in ``mixture`` the one over all branches, in ``head_groups`` its
+  head's branch) gets the sink as one more logit, with a value vector of zero, so the
+  output is the dilated output times ``sigmoid(lse - sink)``; exact, with gradients
+  to the sinks. An ``s_aux`` of another shape is refused.
 - Causal only: a module with ``is_causal=False`` (an encoder, cross-attention) is
   refused.
+- Full attention only: a layer whose ``config.layer_types`` entry is not
+  ``full_attention`` (Llama 4's ``chunked_attention``, ``sliding_attention``, ...) is
+  refused, as are the options that change what a layer computes: ``sliding_window``,
+  ``softcap``, ``head_mask``, ``position_bias``, ``sinks`` (per token), sparse key
+  ``indices`` and ``block_indices``, packed ``cu_seq_lens_q/k``, ``output_attentions``
+  and 4-D masks (dilated attention forms no weight matrix and has its own sparsity).
 - Positions come from the queries' ``position_ids``: key slot ``i`` is position
   ``position_ids[-1] - (Lk - 1 - i)``, so segments follow each sequence's own
   positions and the keys may be a window of the sequence (:class:`DilatedCache`).
@@ -32,8 +43,10 @@ What the function does with what ``transformers`` passes:
   library's key padding (no effect at all).
 - Each call gets only the keys from the earliest one its queries attend to, so a
   decode step costs ``O(max(segment_lengths))`` whatever the cache holds.
-- ``output_attentions``, ``softcap``, ``sliding_window`` and 4-D masks are refused with
-  a ``ValueError``: dilated attention forms no weight matrix and has its own sparsity.
+- A :class:`DilatedCache` goes to ``generate`` and to the model's forward as
+  ``past_key_values=``, the name every supported ``transformers`` version takes. One
+  that reaches the attention function unused (``cache=`` before ``transformers`` 5.24,
+  which the model's forward does not take) raises a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -103,27 +116,33 @@ class DilatedCache(Cache):
     """A ``transformers`` cache for a model running a registered dilated attention:
     every layer keeps only the last ``max(segment_lengths) - 1`` positions (a query
     never attends further back), so generation memory stays constant however long
-    the text grows. Pass it to ``generate`` (``cache=`` in ``transformers`` 5.x,
-    ``past_key_values=`` in 4.x) or to the model's forward.
+    the text grows. Pass it as ``past_key_values=`` to ``generate`` or to the model's
+    forward (every supported ``transformers`` version takes that name; 5.24 renamed it
+    ``cache=`` and still takes the old one, with a ``FutureWarning``).
 
-    ``model``: the model (or its config) after ``set_attn_implementation(name)``, or
-    any model or config together with the registration's ``name``. Built on
-    ``transformers``' sliding-window cache layer; the attention function places the
-    window from the queries' ``position_ids``."""
+    ``model``: the model (or its config) after ``set_attn_implementation(name)``;
+    ``name``, if given, must be the registration the model's (text) config runs: any
+    other attention reading this cache would see a sliding window, so it is refused.
+    Built on ``transformers``' sliding-window cache layer; the attention function
+    places the window from the queries' ``position_ids``."""
 
     def __init__(self, model, name: Optional[str] = None):
         config = getattr(model, "config", model)
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"model must be a transformers model or config, got {validation.type_name(model)}")
-        name = config._attn_implementation if name is None else name
+        config = config.get_text_config(decoder=True)
+        running = config._attn_implementation
+        name = running if name is None else name
         if name not in _REGISTERED:
             raise ValueError(f"{name!r} is not a dilated attention registration (registered: "
-                             f"{sorted(_REGISTERED)}): call register() and model.set_attn_implementation(name), "
-                             "or pass name=")
+                             f"{sorted(_REGISTERED)}): call register() and model.set_attn_implementation(name)")
+        if running != name:
+            raise ValueError(f"the model runs attention implementation {running!r}, not {name!r}: call "
+                             f"model.set_attn_implementation({name!r}) before building DilatedCache (another "
+                             "attention would read its kept window as a sliding window)")
         # The layer keeps sliding_window - 1 positions; at least one (a window of 1 keeps all).
         self.window = max(2, max(_REGISTERED[name]["segment_lengths"]))
-        num_layers = config.get_text_config(decoder=True).num_hidden_layers
-        super().__init__(layers=[_WindowLayer(sliding_window=self.window) for _ in range(num_layers)])
+        super().__init__(layers=[_WindowLayer(sliding_window=self.window) for _ in range(config.num_hidden_layers)])
 
     @property
     def nbytes(self) -> int:
@@ -153,13 +172,15 @@ def dilated_attention_forward(
     dilation_rates: Sequence[int],
     mode: str,
     head_offsets: str,
+    s_aux: Optional[torch.Tensor] = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The ``transformers`` attention function: ``query`` ``(B, H, Lq, D)``, ``key,
     value`` ``(B, H_kv, Lk, D)`` (the queries are the last ``Lq`` of the ``Lk`` key
-    slots; the keys may be a window of the sequence, as :class:`DilatedCache` keeps)
-    -> ``((B, Lq, H, D), None)``."""
-    _refuse_unsupported(module, attention_mask, is_causal, kwargs)
+    slots; the keys may be a window of the sequence, as :class:`DilatedCache` keeps),
+    ``s_aux`` optional attention sinks ``(H,)`` -> ``((B, Lq, H, D), None)``."""
+    _refuse_unsupported(module, key, attention_mask, is_causal, kwargs)
+    _check_sinks(s_aux, query.shape[1])
     batch, _, num_queries, _ = query.shape
     num_keys = key.shape[2]
     mask = None if attention_mask is None else attention_mask.bool()
@@ -173,23 +194,78 @@ def dilated_attention_forward(
     options = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
                    head_offsets=head_offsets, is_causal=True, softmax_scale=scaling, dropout_p=dropout,
                    layout="bhnd")
-    return _attend_rows(query, key, value, mask, first, segment_lengths, options).transpose(1, 2), None
+    out = _attend_rows(query, key, value, mask, first, segment_lengths, options, s_aux)
+    return out.transpose(1, 2), None
 
 
-def _refuse_unsupported(module, attention_mask, is_causal, kwargs) -> None:
+# Options some models pass to their attention function that change what it computes,
+# and which dilated attention does not implement: (option, what it is).
+_REFUSED_OPTIONS = (
+    ("softcap", "logit soft-capping"),
+    ("sliding_window", "a sliding window"),
+    ("head_mask", "a mask on the attention weights"),
+    ("position_bias", "an additive position bias"),
+    ("sinks", "per-token attention sinks"),
+    ("indices", "a sparse selection of keys"),
+    ("block_indices", "a sparse selection of key blocks"),
+    ("cu_seq_lens_q", "packed sequences"),
+    ("cu_seq_lens_k", "packed sequences"),
+)
+# The layer types (config.layer_types) whose layers are full causal attention.
+_FULL_ATTENTION_LAYERS = ("full_attention", "attention")
+
+
+def _refuse_unsupported(module, key, attention_mask, is_causal, kwargs) -> None:
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ValueError(f"dilated attention is registered for causal self-attention only; "
                          f"{type(module).__name__} is not causal (an encoder or cross-attention): use another "
                          "attn_implementation for it")
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported: dilated attention never forms the weights")
-    for option in ("softcap", "sliding_window"):
+    for option, meaning in _REFUSED_OPTIONS:
         if kwargs.get(option) is not None:
-            raise ValueError(f"the model sets {option}={kwargs[option]!r}, which dilated attention does not "
-                             f"implement: use a config without {option}")
+            shown = kwargs[option] if isinstance(kwargs[option], (bool, int, float)) else "..."
+            raise ValueError(f"the model sets {option}={shown} ({meaning}), which dilated attention does not "
+                             f"implement: use a config without {option}, or another attn_implementation")
+    _refuse_layer_type(module)
+    _refuse_unused_cache(key, kwargs)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"dilated attention takes the 2-D padding mask, got a {attention_mask.dim()}-D attention "
                          "mask: register the function with register(), which sets the mask transformers builds")
+
+
+def _refuse_layer_type(module) -> None:
+    """A layer whose ``config.layer_types`` entry is not full attention (chunked,
+    sliding, ...) attends to other keys than dilated attention would: refused."""
+    layer_types = getattr(getattr(module, "config", None), "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if not isinstance(layer_types, (list, tuple)) or not isinstance(index, int) or not 0 <= index < len(layer_types):
+        return
+    if layer_types[index] not in _FULL_ATTENTION_LAYERS:
+        raise ValueError(
+            f"layer {index} is a {layer_types[index]!r} layer (config.layer_types[{index}]), and dilated attention "
+            "replaces full attention only: use a config with layer_types=['full_attention'] * num_hidden_layers, "
+            "or another attn_implementation for this model"
+        )
+
+
+def _refuse_unused_cache(key, kwargs) -> None:
+    """A :class:`DilatedCache` that reaches the attention function among the extra
+    keyword arguments was not used by the model (its forward takes another name)."""
+    for keyword in ("cache", "past_key_values"):
+        if isinstance(kwargs.get(keyword), DilatedCache) and getattr(key, "dilated_first_slot", None) is None:
+            raise ValueError(
+                f"the model did not use the DilatedCache passed as {keyword}= (its forward takes the cache under "
+                "another name, and passed it on unused): pass it as past_key_values=, which every supported "
+                "transformers version takes"
+            )
+
+
+def _check_sinks(sinks, num_heads: int) -> None:
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (num_heads,)):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else validation.type_name(sinks)
+        raise ValueError(f"s_aux (attention sinks) must be one logit per query head, shape ({num_heads},), got "
+                         f"{shape}: dilated attention supports per-head sinks only")
 
 
 def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_keys: int,
@@ -248,13 +324,15 @@ def _check_keys_reach_back(first: torch.Tensor, first_query_slot: int, segment_l
             )
 
 
-def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, options) -> torch.Tensor:
+def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, options,
+                 sinks=None) -> torch.Tensor:
     """``(B, H, Lq, D)``. Rows whose keys start at a position ``>= 0`` go in one call
     (per-row ``key_offset``); rows whose first token follows ``p`` padding slots
     (``first = -p``) in one call per ``p``, their padding queries 0. Each call gets
     only the keys from the earliest one its queries attend to (a decode step attends
     to fewer than ``max(segment_lengths)``, however many the cache holds). Padded
-    keys at positions ``>= 0`` are the library's key padding."""
+    keys at positions ``>= 0`` are the library's key padding. ``sinks`` ``(H,)``
+    enter each call's softmax (:func:`_with_sinks`)."""
     num_queries, num_keys = query.shape[2], key.shape[2]
     first_query_slot = num_keys - num_queries
     starts = first.tolist()
@@ -282,13 +360,26 @@ def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, 
         queries = slice(max(drop - first_query_slot, 0), num_queries)
         offsets = first[rows] + drop
         result = _attend(q[:, :, queries], k[:, :, drop:], v[:, :, drop:], None if m is None else m[:, drop:],
-                         offsets if len(set(offsets.tolist())) > 1 else int(offsets[0]), options)
+                         offsets if len(set(offsets.tolist())) > 1 else int(offsets[0]), options, sinks)
         if out is None:
             return result
         out[picked, :, queries] = result
     return out
 
 
-def _attend(q, k, v, mask, key_offset, options) -> torch.Tensor:
+def _attend(q, k, v, mask, key_offset, options, sinks=None) -> torch.Tensor:
     padding = None if mask is None or bool(mask.all()) else ~mask
-    return dilated_attention(q, k, v, key_padding_mask=padding, key_offset=key_offset, **options)
+    if sinks is None:
+        return dilated_attention(q, k, v, key_padding_mask=padding, key_offset=key_offset, **options)
+    out, lse = dilated_attention(q, k, v, key_padding_mask=padding, key_offset=key_offset, return_lse=True,
+                                 **options)
+    return _with_sinks(out, lse, sinks)
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``out`` ``(B, H, L, D)`` with one more logit per head, ``sinks`` ``(H,)``, in each
+    query's softmax (its value vector zero): ``out * sigmoid(lse - sink)``, with ``lse``
+    ``(B, H, L)`` the log of the softmax denominator (``-inf``, a query that attends to
+    nothing, stays 0). Computed in the LSE's dtype (float32 or float64)."""
+    keep = torch.sigmoid(lse - sinks.to(lse.dtype).view(-1, 1))
+    return (out * keep.unsqueeze(-1)).to(out.dtype)
