@@ -1,5 +1,8 @@
 """dilated attention inside transformers models (tiny ones built from configs, no downloads)."""
 
+import re
+import sys
+
 import pytest
 import torch
 
@@ -418,3 +421,14 @@ def test_the_core_package_does_not_import_transformers():
     code = "import sys, dilated_attention, dilated_attention.models; print('transformers' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_without_transformers_the_integration_says_how_to_install_it(monkeypatch):
+    import importlib
+
+    from dilated_attention.extras import MissingExtra
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "dilated_attention.integrations.transformers")
+    with pytest.raises(MissingExtra, match=re.escape('python3 -m pip install -e ".[hf]"')):
+        importlib.import_module("dilated_attention.integrations.transformers")

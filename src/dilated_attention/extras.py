@@ -20,7 +20,7 @@ class MissingExtra(ImportError):
 
 def install_hint(extra: str, modules=None) -> str:
     """The commands that install ``extra`` (or just ``modules`` of it)."""
-    names = " ".join(modules or EXTRAS[extra])
+    names = " ".join(f"'{name}'" if ">" in name else name for name in modules or EXTRAS[extra])
     return (f"install it with `python3 -m pip install -e \".[{extra}]\"` in a clone of dilated-attention, "
             f"or `python3 -m pip install {names}`")
 

@@ -57,6 +57,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import validation
+from ..extras import MissingExtra, install_hint
 from ..functional import dilated_attention
 from ..plan import window_start_needed
 
@@ -65,8 +66,8 @@ try:
     from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("the transformers integration needs transformers >= 4.57: "
-                      "pip install 'dilated-attention[hf]'") from exc
+    raise MissingExtra(f"the transformers integration needs transformers >= 4.57 (the 'hf' extra): "
+                       f"{install_hint('hf', ['transformers>=4.57'])}") from exc
 
 # name -> the options it was registered with
 _REGISTERED: dict[str, dict] = {}
