@@ -75,6 +75,12 @@ def verdict(table: list[dict], dtype: torch.dtype, check: bool) -> tuple[bool, s
 
 def main():
     args = parse_args()
+    if "RANK" not in os.environ:
+        raise SystemExit(  # exit status 1, the message on stderr
+            "error: examples/distributed.py runs one process per rank: launch it with torchrun, e.g. "
+            "torchrun --nproc_per_node 2 examples/distributed.py [options] "
+            "(or python3 -m torch.distributed.run --nproc_per_node 2 examples/distributed.py [options])"
+        )
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.backend == "nccl":

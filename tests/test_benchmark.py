@@ -1,5 +1,6 @@
 """The benchmark's FLOP count, memory probe and command (a smoke run on tiny sizes)."""
 
+import io
 import json
 import os
 import re
@@ -158,6 +159,29 @@ def test_bench_skips_what_would_take_too_long(tmp_path, capsys):
     ]
     assert main(args) == 0
     assert "skipped: predicted" in capsys.readouterr().out
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_bench_progress_is_a_bar_only_on_a_terminal(terminal, tmp_path, capsys, monkeypatch):
+    """A file or a pipe gets one line per measurement, not the frames of a bar
+    redrawn with carriage returns."""
+    stream = Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    args = ["bench", "--seq-lens", "64", "96", "--impl", "dense", "--segment-lengths", "16", "--dilation-rates", "1",
+            "--heads", "1", "--head-dim", "8", "--repeats", "1", "--matmul-size", "128", "--no-backward",
+            "--no-memory", "--no-plot", "--out-dir", str(tmp_path)]
+    assert main(args) == 0
+    progress = stream.getvalue()
+    if terminal:
+        assert progress.count("\r") == 3 and "2/2 done" in progress and progress.endswith("\n")
+    else:
+        assert "\r" not in progress
+        assert progress.splitlines() == ["[0/2] dense N=64", "[1/2] dense N=96", "[2/2] done"]
 
 
 def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):

@@ -139,7 +139,8 @@ def test_gradients_reach_the_queries_and_the_new_keys():
 @pytest.mark.parametrize(
     "call,fragment",
     [
-        (lambda c: c.attend(*[torch.randn(2, 1, 2, 3)] * 3), "q must have shape (batch=1, L >= 1, heads=2"),
+        (lambda c: c.attend(*[torch.randn(2, 1, 2, 3)] * 3), "the cache holds 1 sequence, but q has a batch of 2"),
+        (lambda c: c.attend(*[torch.randn(1, 1, 3, 3)] * 3), "q must have shape (batch=1, L >= 1, heads=2"),
         (lambda c: c.attend(*[torch.randn(1, 1, 2, 3, dtype=torch.float64)] * 3), "like the cache"),
         (lambda c: c.attend(torch.randn(1, 2, 2, 3), *[torch.randn(1, 1, 2, 3)] * 2), "q, k, v must have one shape"),
         (lambda c: c.reorder(torch.tensor([1])), "indices must be at least one sequence index in [0, 1)"),
@@ -192,3 +193,111 @@ def test_inference_mode_then_normal_use_and_canonical_devices():
     cache.attend(x[:, :1], x[:, :1], x[:, :1])  # buffers made in inference mode are replaced
     cache.reset()
     assert cache.attend(x, x, x).shape == x.shape
+
+
+@pytest.mark.parametrize(
+    "start,fragment",
+    [
+        (2**64, "start must be at most 2**62 (positions are int64), got 18446744073709551616"),
+        (2**62 + 8, "start must be at most 2**62"),
+        (-2**62 - 1, "start must be >= -2**62 (positions are int64)"),
+        (torch.tensor([0, -2**63]), "start must be >= -2**62 (positions are int64), got -9223372036854775808"),
+    ],
+)
+def test_starts_are_bounded_like_key_offsets(start, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        DilatedKVCache(2, 2, 3, [4, 8], [1, 2], start=start)
+    cache = DilatedKVCache(2, 2, 3, [4, 8], [1, 2])
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        cache.reset(start)
+    cache = DilatedKVCache(2, 2, 3, [4, 8], [1, 2], start=torch.tensor([-2**62, 2**62]))  # the bounds themselves
+    x = torch.randn(2, 3, 2, 3, generator=torch.Generator().manual_seed(0))
+    out = cache.attend(x, x, x)
+    assert cache.position.tolist() == [-2**62 + 3, 2**62 + 3]
+    assert torch.all(out[0] == 0) and torch.isfinite(out[1]).all()
+
+
+def test_a_scale_too_large_for_the_dtype_is_refused_at_construction():
+    with pytest.raises(ValueError, match=re.escape("softmax_scale=1e+39 does not fit float32")):
+        DilatedKVCache(1, 2, 3, [4, 8], [1, 2], softmax_scale=1e39)
+    cache = DilatedKVCache(1, 2, 3, [4, 8], [1, 2], softmax_scale=1e39, dtype=torch.float64)
+    x = torch.randn(1, 5, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(cache.attend(x, x, x)).all()
+
+
+def _state(cache):
+    """The cache's attributes: tensors by identity, lists by value."""
+    return {name: list(value) if isinstance(value, list) else value for name, value in vars(cache).items()}
+
+
+def _same_state(cache, state):
+    now = _state(cache)
+    return now.keys() == state.keys() and all(
+        now[name] is value if isinstance(value, torch.Tensor) else now[name] == value for name, value in state.items()
+    )
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 30])  # after 9 positions: into new buffers, in place, new buffers
+@pytest.mark.parametrize("poison", [False, True])  # the failed chunk is the first to hold a NaN
+def test_a_call_that_fails_leaves_the_cache_as_it_was(chunk, poison, monkeypatch):
+    """Bad input is refused before the cache changes; should the attention itself
+    raise after the keys were appended, the append is undone: a retry gives exactly
+    the output of a cache that never failed."""
+    import dilated_attention.functional as functional
+
+    segs, rates = [4, 8], [1, 2]
+    gen = torch.Generator().manual_seed(chunk)
+    q, k, v = (torch.randn(2, 9 + chunk, 2, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    if poison:
+        k[1, 9 + chunk // 2, 1, 0] = float("nan")
+    first, then = (tuple(t[:, :9] for t in (q, k, v)), tuple(t[:, 9:] for t in (q, k, v)))
+    clean = DilatedKVCache(2, 2, 3, segs, rates, dtype=torch.float64)
+    clean.attend(*first)
+    expected = clean.attend(*then)
+
+    cache = DilatedKVCache(2, 2, 3, segs, rates, dtype=torch.float64)
+    cache.attend(*first)
+    state = _state(cache)
+    with pytest.raises(ValueError, match="like the cache"):
+        cache.attend(*then[:2], then[2].float())
+    assert _same_state(cache, state)
+    run = functional.run
+
+    def failing(*args, **kwargs):
+        monkeypatch.setattr(functional, "run", run)
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(functional, "run", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        cache.attend(*then)
+    assert _same_state(cache, state)
+    assert torch.equal(cache.attend(*then).nan_to_num(), expected.nan_to_num())
+    assert cache.position.tolist() == clean.position.tolist()
+
+
+def test_a_batch_of_another_size_names_the_caches():
+    """The cache, the module and the model each say how many sequences the cache
+    holds and how to feed fewer, not an error about positions the caller never passed."""
+    from dilated_attention import MultiheadDilatedAttention
+    from dilated_attention.models import LongNetConfig, LongNetLM
+    from dilated_attention.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(5)
+    fix = "feed the next positions of every sequence in each call, or first keep only those to continue with " \
+          "cache.reorder(indices)"
+    cache = DilatedKVCache(3, 2, 4, [4, 8], [1, 2])
+    x = torch.randn(2, 1, 2, 4, generator=gen)
+    with pytest.raises(ValueError, match=re.escape("the cache holds 3 sequences, but q has a batch of 2: " + fix)):
+        cache.attend(x, x, x)
+    mha = MultiheadDilatedAttention(8, 2, [4, 8], [1, 2], rotary=RotaryEmbedding(4)).eval()
+    with pytest.raises(ValueError, match=re.escape("the cache holds 3 sequences, but query has a batch of 2")):
+        mha(torch.randn(2, 5, 8, generator=gen), is_causal=True, cache=mha.new_cache(3))
+    model = LongNetLM(LongNetConfig(vocab_size=11, dim=8, depth=1, heads=2, ffn_dim=16, segment_lengths=(4, 8),
+                                    dilation_rates=(1, 2))).eval()
+    cache = model.new_cache(1)
+    with pytest.raises(ValueError, match=re.escape("the cache holds 1 sequence, but tokens has a batch of 3")):
+        model(torch.randint(0, 11, (3, 4), generator=gen), cache=cache)
+    cache = model.new_cache(3)
+    model(torch.randint(0, 11, (3, 4), generator=gen), cache=cache)
+    cache.reorder(torch.tensor([2]))  # the fix the message names
+    assert model(torch.randint(0, 11, (1, 2), generator=gen), cache=cache).shape == (1, 2, 11)

@@ -163,6 +163,56 @@ def test_out_of_range_numbers_are_usage_errors(argv, fragment, capsys):
     assert fragment in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["bench", "--segment-lengths", "8,16"],
+         "argument --segment-lengths: must be an int >= 1, got '8,16' (separate several values with spaces: 8 16)"),
+        (["decode-bench", "--positions", "4k"],
+         "argument --positions: must be an int >= 1, got '4k' (several values are separated by spaces)"),
+        (["bench", "--heads", "two"], "argument --heads: must be an int >= 1, got 'two'"),
+        (["bench", "--max-seconds", "soon"], "argument --max-seconds: must be a number > 0, got 'soon'"),
+    ],
+)
+def test_unreadable_numbers_say_what_is_expected(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "invalid" not in err
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--verison"], "error: unrecognized option --verison: did you mean --version?"),
+        (["--verison", "check"], "error: unrecognized option --verison: did you mean --version?"),
+        (["bnech", "--heads", "2"], "error: unknown command 'bnech': did you mean bench? (commands: check, pattern, "
+                                    "bench, decode-bench, train, generate)"),
+        (["pattern", "--segmnet-lengths", "8", "--dilation-rates", "1"],
+         "error: unrecognized option --segmnet-lengths: did you mean --segment-lengths?"),
+        (["bench", "--sed-lens=64"], "error: unrecognized option --sed-lens: did you mean --seq-lens?"),
+    ],
+)
+def test_unknown_options_and_commands_come_first_with_the_closest_name(argv, fragment, capsys):
+    """Reported before a missing command or required option, which argparse alone
+    reports first."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "required" not in err
+
+
+def test_abbreviations_negative_numbers_and_values_are_not_unknown_options(tmp_path, capsys):
+    path = tmp_path / "p.png"
+    assert main(["pattern", "--segment-l", "8", "--dilation-rates=1", "--length", "8", "--heads", "1",
+                 "--out", str(path)]) == 0
+    with pytest.raises(SystemExit):
+        main(["pattern", "--grid", "4", "4", "--segment-lengths", "4", "--dilation-rates", "1", "--query", "-1", "0"])
+    assert "argument --query: must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_pattern_refuses_a_picture_too_large_to_draw(tmp_path, capsys):
     args = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "100000", "--heads", "2"]
     assert main(args + ["--out", str(tmp_path / "p.png")]) == 2

@@ -35,6 +35,15 @@ def test_distributed_example_ends_with_pass_naming_its_tolerance():
     assert last.startswith("PASS: ") and f"tolerance {ONE_PROCESS_TOLERANCES[torch.float32]:g}" in last, last
 
 
+def test_distributed_example_without_torchrun_says_how_to_launch_it():
+    env = {name: value for name, value in os.environ.items() if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, "distributed.py"), "--seq-len", "16"],
+                            capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert result.returncode == 1 and result.stdout == ""
+    assert "launch it with torchrun, e.g. torchrun --nproc_per_node 2 examples/distributed.py" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_distributed_example_verdict():
     verdict = load_example("distributed").verdict
     tol = ONE_PROCESS_TOLERANCES[torch.float32]
@@ -84,3 +93,7 @@ def test_image_ordering_example_trains_each_order():
     assert [line.split()[0] for line in lines[1:]] == ["row_major", "zorder", "hilbert"]
     for line in lines[1:]:
         assert 0 < float(line.split()[1].rstrip("%")) <= 100
+    progress = [line for line in result.stderr.splitlines() if ": step " in line]  # as it goes, on stderr
+    assert [line.split(",")[0] for line in progress] == [
+        f"{order}: step {step}/2" for order in ("row_major", "zorder", "hilbert") for step in (1, 2)
+    ]

@@ -1,6 +1,7 @@
 """The fast path against the float64 reference: forward, LSE and gradients."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -317,13 +318,27 @@ def test_large_lse_gradients_in_half_precision(dtype):
     assert max_relative_error(grads, ref_grads) <= TOLERANCES[dtype]
 
 
-def test_torch_func_transforms_are_refused_clearly():
+def test_torch_func_transforms_are_refused_clearly_and_up_front():
+    """The library's own refusal, before any work (not PyTorch's message about
+    data-dependent control flow): even arguments it would refuse, or a cache, which
+    stays as it was."""
+    from dilated_attention import DilatedKVCache
+
     (q, k, v), _, _ = random_inputs(1, 1, 8, 2, 4)
+    q, k, v = (t.detach() for t in (q, k, v))
+    refusal = "dilated_attention does not support torch.func transforms (grad, vjp, vmap, ...)"
     loss = lambda q: dilated_attention(q, k, v, [4], [1]).square().sum()  # noqa: E731
-    with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
-        torch.func.grad(loss)(q.detach())
-    with pytest.raises(RuntimeError, match="vmap"):
-        torch.func.vmap(lambda q: dilated_attention(q, q, q, [4], [1]))(q.detach()[None])
+    cache = DilatedKVCache(1, 2, 4, [4], [1], dtype=torch.float64)
+    for transformed in (
+        lambda: torch.func.grad(loss)(q),
+        lambda: torch.func.vmap(lambda q: dilated_attention(q, q, q, [4], [1]))(q[None]),
+        lambda: torch.func.vmap(lambda q: dilated_attention(q, q, q, [4], [1, 2]))(q[None]),
+        lambda: torch.func.jacrev(lambda k: dilated_attention(q, k, v, [4], [1], is_causal=True))(k),
+        lambda: torch.func.vmap(lambda q: cache.attend(q, q, q))(q[None]),
+    ):
+        with pytest.raises(RuntimeError, match=re.escape(refusal)):
+            transformed()
+    assert cache.position.tolist() == [0] and cache.nbytes == 0
 
 
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])

@@ -2,13 +2,14 @@
 defined, adjacency and locality on every grid, and moving tensors in and out."""
 
 import math
+import re
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dilated_attention.ordering import ORDERS, apply, grid_order, invert, locality, shard
+from dilated_attention.ordering import MAX_PATCHES, ORDERS, apply, grid_order, invert, locality, shard
 
 grids = st.tuples(st.integers(1, 70), st.integers(1, 70))
 
@@ -115,6 +116,62 @@ def test_orders_are_cached_per_grid_and_checked():
         shard(torch.zeros(1, 9, 2), order, 2, 2)
     with pytest.raises(TypeError, match="order must be a 1-D int64 tensor"):
         invert(torch.zeros(1, 9, 2), order.int())
+
+
+@pytest.mark.parametrize("grid", [(8193, 8192), (1, MAX_PATCHES + 1)])
+def test_grids_beyond_the_bound_are_refused_before_any_allocation(grid):
+    """2**26 patches at most (8192 x 8192): a larger grid is a ValueError naming the
+    bound, for the orders and for locality, at once."""
+    for kind in ORDERS:
+        with pytest.raises(ValueError, match=re.escape("height * width must be at most 2**26 = 67108864 patches")):
+            grid_order(kind, *grid)
+    with pytest.raises(ValueError, match=re.escape(f"got {grid[0]} x {grid[1]} = {grid[0] * grid[1]}")):
+        locality(torch.randperm(12), *grid, 4)
+
+
+def _not_permutations(size, gen):
+    """Orders of ``size`` entries that are not permutations: a repeat, a value past
+    the end, a negative value."""
+    order = torch.randperm(size, generator=gen)
+    repeated, past, negative = order.clone(), order.clone(), order.clone()
+    i, j = torch.randperm(size, generator=gen)[:2].tolist()
+    repeated[i] = repeated[j]
+    past[i] = size + int(torch.randint(0, 5, (), generator=gen))
+    negative[j] = -1 - int(torch.randint(0, 5, (), generator=gen))
+    return repeated, past, negative
+
+
+@pytest.mark.parametrize("extra", [0, 2])
+def test_orders_that_are_not_permutations_are_refused(extra):
+    """apply, invert, shard and locality refuse them (invert once returned
+    uninitialised rows); any permutation, not only the library's, is accepted."""
+    gen = torch.Generator().manual_seed(extra)
+    height, width = 5, 7
+    x = torch.randn(2, extra + height * width, 3, generator=gen)
+    for bad in _not_permutations(height * width, gen):
+        for move in (lambda o: apply(x, o, extra), lambda o: invert(x, o, extra), lambda o: shard(x, o, 1, 2, extra),
+                     lambda o: locality(o, height, width, 4)):
+            with pytest.raises(ValueError, match=re.escape("order must be a permutation of 0 .. 34 (each patch once)")):
+                move(bad)
+    order = torch.randperm(height * width, generator=gen)
+    assert torch.equal(invert(apply(x, order, extra), order, extra), x)
+
+
+def test_locality_checks_its_arguments():
+    order = grid_order("hilbert", 4, 6)
+    for args, exc, fragment in (
+        ((4, 6, 0), ValueError, "segment_length must be >= 1, got 0"),
+        ((4, 6, -3), ValueError, "segment_length must be >= 1, got -3"),
+        ((4, 6, 2.0), TypeError, "segment_length must be an int"),
+        ((0, 6, 4), ValueError, "height must be >= 1, got 0"),
+        ((4, -6, 4), ValueError, "width must be >= 1, got -6"),
+        ((6, 6, 4), ValueError, "order must have height * width = 6 x 6 = 36 entries, got 24"),
+    ):
+        with pytest.raises(exc, match=re.escape(fragment)):
+            locality(order, *args)
+    with pytest.raises(TypeError, match=re.escape("order must be a 1-D int64 tensor, as grid_order returns, got a "
+                                                  "2-D torch.int64 tensor")):
+        locality(order.view(4, 6), 4, 6, 4)
 
 
 def _mha(**changes):

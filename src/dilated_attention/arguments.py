@@ -1,9 +1,11 @@
-"""argparse types shared by the command-line commands."""
+"""argparse pieces shared by the command-line commands: the parser and its types."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -11,21 +13,81 @@ import torch
 from .validation import SEED_LIMIT
 
 
-def number(kind, low: float, inclusive: bool = True):
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that reports an unknown option or command before anything
+    else, with the closest known one (argparse alone would first report the missing
+    command: for ``--verison``, "the following arguments are required: command").
+    Its subcommands are parsers of this class too."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        self._refuse_unknown(args)
+        return super().parse_known_args(args, namespace)
+
+    def _refuse_unknown(self, args: list[str]) -> None:
+        """Exit with a usage error at the first option this parser does not know (or,
+        with subcommands, at an unknown command); the arguments after a command are
+        its parser's."""
+        commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+        options = list(self._option_string_actions)
+        for arg in args:
+            if arg == "--":
+                return
+            if _is_option(arg):
+                name = arg.split("=", 1)[0]
+                if not any(option == name or (name.startswith("--") and option.startswith(name)) for option in options):
+                    self.error(f"unrecognized option {name}{_closest(name, options)}")
+            elif commands is not None:
+                if arg not in commands:
+                    self.error(f"unknown command {arg!r}{_closest(arg, commands)} (commands: {', '.join(commands)})")
+                return
+
+
+def _is_option(arg: str) -> bool:
+    """Whether argparse reads ``arg`` as an option: it starts with ``-`` and is not ``-``
+    alone, a negative number or text with spaces."""
+    if not arg.startswith("-") or arg == "-" or " " in arg:
+        return False
+    try:
+        float(arg)
+    except ValueError:
+        return True
+    return False
+
+
+def _closest(name: str, known) -> str:
+    """``": did you mean X?"`` for the known name closest to ``name``, or ``""``."""
+    match = difflib.get_close_matches(name, list(known), n=1)
+    return f": did you mean {match[0]}?" if match else ""
+
+
+def number(kind, low: float, inclusive: bool = True, several: bool = False):
     """An argparse type: a finite ``kind`` (``int`` or ``float``) ``>= low`` (``> low``
-    unless ``inclusive``)."""
+    unless ``inclusive``). ``several``: for an option of several values, whose error
+    for a value it cannot read says that values are separated by spaces."""
+    bound = f"{'>=' if inclusive else '>'} {low}"
 
     def parse(text: str):
-        value = kind(text)
+        try:
+            value = kind(text)
+        except ValueError:
+            hint = ""
+            if several:
+                hint = (f" (separate several values with spaces: {text.replace(',', ' ')})" if "," in text
+                        else " (several values are separated by spaces)")
+            raise argparse.ArgumentTypeError(
+                f"must be {'an int' if kind is int else 'a number'} {bound}, got {text!r}{hint}"
+            ) from None
         if not math.isfinite(value) or not (value >= low if inclusive else value > low):
             what = "" if kind is int else "a number "
-            raise argparse.ArgumentTypeError(f"must be {what}{'>=' if inclusive else '>'} {low}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {what}{bound}, got {text}")
         return value
 
     return parse
 
 
 positive_int = number(int, 1)
+positive_ints = number(int, 1, several=True)
 positive_float = number(float, 0, inclusive=False)
 
 

@@ -366,6 +366,12 @@ def measure(impl: str, seq_len: int, cfg: BenchConfig, predicted_s: Optional[flo
 
 
 def _progress(done: int, total: int, label: str) -> None:
+    """On stderr: a bar redrawn in place on a terminal; one plain line per call in a
+    file or a pipe, which would keep every frame of a redrawn bar."""
+    if not sys.stderr.isatty():
+        sys.stderr.write(f"[{done}/{total}] {label}\n")
+        sys.stderr.flush()
+        return
     width = 30
     filled = int(width * done / total) if total else width
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")

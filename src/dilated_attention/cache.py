@@ -19,6 +19,17 @@ from .engine import nonfinite_rows
 from .plan import window_start_needed
 
 
+def check_batch(sequences: int, batch: int, name: str) -> None:
+    """A ``ValueError`` unless ``batch``, the batch size of ``name``, is ``sequences``,
+    the number of sequences a cache holds."""
+    if batch != sequences:
+        raise ValueError(
+            f"the cache holds {validation.counted(sequences, 'sequence')}, but {name} has a batch of {batch}: "
+            "feed the next positions of every sequence in each call, or first keep only those to continue with "
+            "cache.reorder(indices) (e.g. cache.reorder(torch.tensor([0, 2])) keeps sequences 0 and 2)"
+        )
+
+
 def _needed_from(position: int, segment_lengths: Sequence[int]) -> int:
     """The earliest position a query at ``position`` or later may attend to (a query at
     a negative position, i.e. left padding, attends to nothing)."""
@@ -45,7 +56,11 @@ class DilatedKVCache:
     lengths, right-aligned, with ``start = -(number of padding tokens)`` puts every
     prompt's first real token at position 0. Padding positions (< 0) attend to
     nothing and output 0; no position ``>= 0`` attends to them. A positive start must
-    be a multiple of every segment length (no earlier key can be needed).
+    be a multiple of every segment length (no earlier key can be needed). Starts lie
+    in ``[-2**62, 2**62]`` (positions are int64).
+
+    A call that raises leaves the cache as it was: every check runs before the keys
+    are appended, and should the attention itself fail, the append is undone.
 
     The cache stores keys and values detached: gradients reach ``q`` and the ``k, v``
     of the call, not earlier chunks (to train through chunks, call
@@ -77,6 +92,7 @@ class DilatedKVCache:
             validation.check_head_groups(num_heads, len(self.segment_lengths))
         self.head_offsets = validation.check_head_offsets(head_offsets)
         self.softmax_scale = validation.check_scale(softmax_scale, head_dim)
+        validation.kernel_scale(self.softmax_scale, dtype)  # refused here, not at the first attend, if too large
         self.shape = (int(batch), int(num_heads), int(head_dim))
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
@@ -92,7 +108,9 @@ class DilatedKVCache:
         self._end = 0  # buffer slots [end - kept, end) hold a sequence's kept positions
 
     def _starts(self, start) -> list[int]:
-        starts = list(validation.check_per_row_ints(start, "start", self.shape[0]))
+        starts = list(validation.check_positions(
+            start, "start", self.shape[0], -validation.MAX_POSITION, "positions are int64"
+        ))
         for s in starts:
             if s > 0 and window_start_needed(s, self.segment_lengths) != s:
                 raise ValueError(
@@ -174,10 +192,13 @@ class DilatedKVCache:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The causal dilated attention output ``(B, L, H, D)`` of the next ``L``
         positions of every sequence, given their ``q, k, v`` ``(B, L, H, D)``."""
+        validation.refuse_torch_func()
         batch, heads, dim = self.shape
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(t)}")
+            if t.dim() == 4:
+                check_batch(batch, t.shape[0], name)
             if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (batch, heads, dim) or t.shape[1] < 1:
                 raise ValueError(
                     f"{name} must have shape (batch={batch}, L >= 1, heads={heads}, head_dim={dim}), "
@@ -190,8 +211,22 @@ class DilatedKVCache:
                 )
         if k.shape != q.shape or v.shape != q.shape:
             raise ValueError(f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        buffers = (self._k, self._v, self._bad, self._end)
+        try:
+            out = self._attend_appended(q, k, v, self._append(k, v))
+        except BaseException:  # an error or an interrupt: undo the append, so that a retry is exact
+            self._k, self._v, self._bad, self._end = buffers
+            raise
+        for row in range(batch):
+            self._position[row] += q.shape[1]
+            needed = _needed_from(self._position[row], self.segment_lengths)
+            self._stored_from[row] = max(self._stored_from[row], needed)
+        return out
+
+    def _attend_appended(self, q, k, v, first_slot: int) -> torch.Tensor:
+        """The output ``(B, L, H, D)`` of ``q`` once ``k, v`` are in the buffers from slot
+        ``first_slot`` on (the positions are not yet advanced)."""
         length = q.shape[1]
-        first_slot = self._append(k, v)
         groups: dict[int, list[int]] = {}
         for row, position in enumerate(self._position):
             groups.setdefault(position, []).append(row)
@@ -204,10 +239,6 @@ class DilatedKVCache:
         for position, rows in groups.items():
             parts.append(self._attend_group(q, *keys, position, rows, first_slot))
             order.extend(rows)
-        for row in range(batch):
-            self._position[row] += length
-            needed = _needed_from(self._position[row], self.segment_lengths)
-            self._stored_from[row] = max(self._stored_from[row], needed)
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts).index_select(0, torch.tensor(order, device=self.device).argsort())

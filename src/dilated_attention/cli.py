@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import __version__, benchmark, validation
-from .arguments import device_type, positive_float, positive_int, seed
+from .arguments import Parser, device_type, number, positive_float, positive_int, positive_ints, seed
 from .extras import MissingExtra, require
 from .files import fresh_folder, write_results
 from .plan import MODES
@@ -166,7 +166,7 @@ def _bench_folder(out_dir: Optional[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="dilated-attention",
         description="Exact LongNet dilated attention: check it against its float64 reference, "
         "draw its attention pattern, benchmark it against dense attention, train a LongNet language "
@@ -216,10 +216,11 @@ def _add_pattern(sub) -> None:
         "attends to in each branch, one row of panels per patch order, and print per order how "
         "compact the segments are on the image.",
     )
-    pattern.add_argument("--segment-lengths", type=positive_int, nargs="+", metavar="W", required=True,
-                         help="segment length w of each branch (required)")
-    pattern.add_argument("--dilation-rates", type=positive_int, nargs="+", metavar="R", required=True,
-                         help="dilation rate r of each branch, as many as --segment-lengths (required)")
+    pattern.add_argument("--segment-lengths", type=positive_ints, nargs="+", metavar="W", required=True,
+                         help="segment length w of each branch, separated by spaces: 8 16 (required)")
+    pattern.add_argument("--dilation-rates", type=positive_ints, nargs="+", metavar="R", required=True,
+                         help="dilation rate r of each branch, as many as --segment-lengths, separated by "
+                         "spaces (required)")
     pattern.add_argument("--length", type=positive_int, metavar="N",
                          help="sequence length N, required without --grid (default: none)")
     pattern.add_argument("--heads", type=positive_int, metavar="H",
@@ -228,11 +229,11 @@ def _add_pattern(sub) -> None:
                          help="how the branches share the heads (default: mixture)")
     pattern.add_argument("--causal", action="store_true",
                          help="queries attend only to keys at or before them (default: off)")
-    pattern.add_argument("--grid", type=positive_int, nargs=2, metavar=("H", "W"),
+    pattern.add_argument("--grid", type=positive_ints, nargs=2, metavar=("H", "W"),
                          help="draw an image of H x W patches instead of a sequence (default: off)")
     pattern.add_argument("--order", nargs="+", choices=ORDERS, default=list(ORDERS),
                          help="with --grid: the patch orders to compare (default: all three)")
-    pattern.add_argument("--query", type=int, nargs=2, metavar=("ROW", "COL"),
+    pattern.add_argument("--query", type=number(int, 0, several=True), nargs=2, metavar=("ROW", "COL"),
                          help="with --grid: the query patch (default: the centre)")
     pattern.add_argument("--head", type=int,
                          help="with --grid: the head to draw (default: per branch, a head that keeps the query)")
@@ -249,10 +250,10 @@ def _add_run_options(bench, tensors: str, stem: str) -> None:
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
     bench.add_argument("--dtype", choices=list(DTYPES), default="float32",
                        help=f"dtype of {tensors} (default: float32)")
-    bench.add_argument("--segment-lengths", type=positive_int, nargs="+", metavar="W", default=[2048, 4096, 8192],
-                       help="segment length w of each branch (default: 2048 4096 8192)")
-    bench.add_argument("--dilation-rates", type=positive_int, nargs="+", metavar="R", default=[1, 2, 4],
-                       help="dilation rate r of each branch (default: 1 2 4)")
+    bench.add_argument("--segment-lengths", type=positive_ints, nargs="+", metavar="W", default=[2048, 4096, 8192],
+                       help="segment length w of each branch, separated by spaces (default: 2048 4096 8192)")
+    bench.add_argument("--dilation-rates", type=positive_ints, nargs="+", metavar="R", default=[1, 2, 4],
+                       help="dilation rate r of each branch, separated by spaces (default: 1 2 4)")
     bench.add_argument("--heads", type=positive_int, metavar="H", default=8, help="number of heads H (default: 8)")
     bench.add_argument("--head-dim", type=positive_int, metavar="D", default=64,
                        help="size D of each head (default: 64)")
@@ -272,8 +273,8 @@ def _add_bench(sub) -> None:
         "table and a plot into a new folder (or --out-dir).",
     )
     _add_run_options(bench, "q, k, v", "bench")
-    bench.add_argument("--seq-lens", type=positive_int, nargs="+", metavar="N", help="sequence lengths N to measure "
-                       "(default: powers of 2 from 4096 to 131072 on CPU, to 1048576 on CUDA)")
+    bench.add_argument("--seq-lens", type=positive_ints, nargs="+", metavar="N", help="sequence lengths N to measure, "
+                       "separated by spaces (default: powers of 2 from 4096 to 131072 on CPU, to 1048576 on CUDA)")
     bench.add_argument("--batch", type=positive_int, metavar="B", default=1, help="batch size B (default: 1)")
     bench.add_argument("--causal", action="store_true",
                        help="queries attend only to keys at or before them (default: off)")
@@ -289,7 +290,8 @@ def _add_bench(sub) -> None:
                        help="side of the square matmul the speed ratios refer to (default: 4096)")
     bench.add_argument("--no-backward", action="store_true", help="time the forward only (default: off)")
     bench.add_argument("--no-memory", action="store_true", help="do not measure peak memory (default: off)")
-    bench.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
+    bench.add_argument("--quiet", action="store_true", help="no progress on stderr (default: off, so a bar on a "
+                       "terminal, else a line per measurement)")
     bench.set_defaults(run=_cmd_bench)
 
 
@@ -300,8 +302,9 @@ def _add_decode_bench(sub) -> None:
         "several positions, measure both caches' memory, and write a JSON file, a text table and a plot "
         "into a new folder (or --out-dir).",
     )
-    bench.add_argument("--positions", type=positive_int, nargs="+", metavar="P", default=[4096, 65536, 2**20],
-                       help="positions (tokens already seen) to measure at (default: 4096 65536 1048576)")
+    bench.add_argument("--positions", type=positive_ints, nargs="+", metavar="P", default=[4096, 65536, 2**20],
+                       help="positions (tokens already seen) to measure at, separated by spaces "
+                       "(default: 4096 65536 1048576)")
     _add_run_options(bench, "the caches", "decode")
     bench.add_argument("--steps", type=positive_int, default=8192,
                        help="one-token steps timed per position for the dilated cache; lcm of the segment lengths "

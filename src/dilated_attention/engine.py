@@ -31,6 +31,7 @@ import torch
 from .dropout import DropoutMask, column_keys, row_keys
 from .kernels import accumulator
 from .plan import Block, Rows, key_heads
+from .validation import TORCH_FUNC_REFUSAL
 
 
 @dataclass(frozen=True)
@@ -486,10 +487,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         if torch.is_grad_enabled() and torch._C._are_functorch_transforms_active():
-            raise RuntimeError(
-                "dilated_attention does not support torch.func transforms (grad, vjp, vmap, ...): "
-                "use torch.autograd.grad or .backward()"
-            )
+            raise RuntimeError(TORCH_FUNC_REFUSAL)
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "dilated_attention does not support double backward (a backward with "

@@ -93,8 +93,11 @@ def dilated_attention(
         ``mixture``; double backward is refused.
 
     NaN in a query, or in a key a query attends to, gives NaN in that query's
-    output and LSE.
+    output and LSE. Under a ``torch.func`` transform (``vmap``, ``grad``, ...) it
+    raises ``RuntimeError`` before any work; ``torch.compile`` works.
     """
+
+    validation.refuse_torch_func()
 
     def validate():
         call = validation.check_attention(

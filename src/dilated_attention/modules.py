@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from . import validation
-from .cache import DilatedKVCache
+from .cache import DilatedKVCache, check_batch
 from .functional import dilated_attention
 from .ordering import ORDERS, apply, grid_order, invert
 
@@ -226,9 +226,10 @@ class MultiheadDilatedAttention(nn.Module):
             device=weight.device if device is None else device,
         )
 
-    def _check_cache(self, cache, is_causal, key_padding_mask, process_group) -> None:
+    def _check_cache(self, cache, batch: int, is_causal, key_padding_mask, process_group) -> None:
         if not isinstance(cache, DilatedKVCache):
             raise TypeError(f"cache must be a DilatedKVCache (see new_cache), got {validation.type_name(cache)}")
+        check_batch(cache.shape[0], batch, "query")
         if not is_causal or key_padding_mask is not None or process_group is not None:
             raise ValueError(
                 "a cache attends causally to the sequences' earlier positions: pass is_causal=True, "
@@ -312,7 +313,7 @@ class MultiheadDilatedAttention(nn.Module):
                 f"{self.batch_first}): is that its layout?"
             )
         if cache is not None:
-            self._check_cache(cache, is_causal, key_padding_mask, process_group)
+            self._check_cache(cache, query.shape[0], is_causal, key_padding_mask, process_group)
         heads = (self.num_heads, self.embed_dim // self.num_heads)
         q = self.q_proj(query).unflatten(-1, heads)
         k = self.k_proj(key).unflatten(-1, heads)

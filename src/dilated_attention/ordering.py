@@ -22,7 +22,8 @@ a permutation ``order`` (a 1-D int64 tensor of ``height * width`` entries):
 and an order, with ``extra_tokens`` leading tokens (a CLS token) kept first;
 :func:`shard` cuts the ordered sequence into the contiguous pieces of the ranks of a
 process group. Orders are computed once per grid shape, vectorised (a 4096 x 4096
-grid in well under a second on a CPU), and cached.
+grid in well under a second on a CPU), and cached. A grid has at most
+:data:`MAX_PATCHES` patches.
 """
 
 from __future__ import annotations
@@ -36,14 +37,32 @@ from .intmath import ceil_div
 
 ORDERS = ("row_major", "zorder", "hilbert")
 
+# The most patches a grid may have: 8192 x 8192, a slide of 131072 x 131072 pixels
+# in 16-pixel patches (LongViT's gigapixel images, 32768 pixels square in 32-pixel
+# patches, are 1024 x 1024). An order takes 8 bytes a patch (512 MiB here) and
+# building one about 5 times that.
+MAX_PATCHES = 2**26
+
 
 def grid_order(kind: str, height: int, width: int) -> torch.Tensor:
     """The permutation ``(height * width,)`` int64 (CPU) of order ``kind`` (one of
-    :data:`ORDERS`) for a ``height x width`` grid. Cached: do not modify it."""
+    :data:`ORDERS`) for a ``height x width`` grid of at most :data:`MAX_PATCHES`
+    (``2**26``) patches. Cached: do not modify it."""
     if kind not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {kind!r}")
-    height, width = validation.check_positive_int(height, "height"), validation.check_positive_int(width, "width")
+    height, width = _check_grid(height, width)
     return _cached_order(kind, height, width)
+
+
+def _check_grid(height: int, width: int) -> tuple[int, int]:
+    """``height, width``: positive ints with a product of at most :data:`MAX_PATCHES`."""
+    height, width = validation.check_positive_int(height, "height"), validation.check_positive_int(width, "width")
+    if height * width > MAX_PATCHES:
+        raise ValueError(
+            f"height * width must be at most 2**26 = {MAX_PATCHES} patches (8192 x 8192; an order takes 8 bytes "
+            f"a patch), got {height} x {width} = {height * width}: use larger patches"
+        )
+    return height, width
 
 
 @functools.lru_cache(maxsize=16)
@@ -54,19 +73,34 @@ def _cached_order(kind: str, height: int, width: int) -> torch.Tensor:
 def _index(order: torch.Tensor, extra_tokens: int, device) -> torch.Tensor:
     """``order`` shifted past ``extra_tokens`` leading tokens, which come first."""
     extra = validation.check_non_negative_int(extra_tokens, "extra_tokens")
-    return torch.cat([torch.arange(extra), order + extra]).to(device)
+    return torch.cat([torch.arange(extra, device=order.device), order + extra]).to(device)
 
 
-def _check_sequence(x, order: torch.Tensor, extra_tokens: int, dim: int) -> None:
+def _check_order(order) -> torch.Tensor:
+    """``order``'s inverse permutation (see :func:`positions`), if ``order`` is a 1-D
+    int64 tensor holding each of ``0 .. N-1`` once."""
+    if not isinstance(order, torch.Tensor) or order.dim() != 1 or order.dtype != torch.int64:
+        raise TypeError(f"order must be a 1-D int64 tensor, as grid_order returns, got {_describe(order)}")
+    return positions(order)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-D {value.dtype} tensor"
+    return validation.type_name(value)
+
+
+def _check_sequence(x, order: torch.Tensor, extra_tokens: int, dim: int) -> torch.Tensor:
+    """Check ``x`` and ``order`` (see :func:`apply`); return ``order``'s inverse."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {validation.type_name(x)}")
-    if not isinstance(order, torch.Tensor) or order.dim() != 1 or order.dtype != torch.int64:
-        raise TypeError("order must be a 1-D int64 tensor, as grid_order returns")
+    inverse = _check_order(order)
     if x.dim() <= dim or x.shape[dim] != extra_tokens + order.numel():
         raise ValueError(
             f"x must have extra_tokens + height * width = {extra_tokens} + {order.numel()} tokens along dim {dim}, "
             f"got shape {tuple(x.shape)}"
         )
+    return inverse
 
 
 def apply(x: torch.Tensor, order: torch.Tensor, extra_tokens: int = 0, dim: int = 1) -> torch.Tensor:
@@ -78,14 +112,23 @@ def apply(x: torch.Tensor, order: torch.Tensor, extra_tokens: int = 0, dim: int 
 
 def invert(y: torch.Tensor, order: torch.Tensor, extra_tokens: int = 0, dim: int = 1) -> torch.Tensor:
     """The inverse of :func:`apply`: ``y`` in ``order`` -> row-major order."""
-    _check_sequence(y, order, extra_tokens, dim)
-    return y.index_select(dim, _index(positions(order), extra_tokens, y.device))
+    inverse = _check_sequence(y, order, extra_tokens, dim)
+    return y.index_select(dim, _index(inverse, extra_tokens, y.device))
 
 
 def positions(order: torch.Tensor) -> torch.Tensor:
-    """The inverse permutation: the place in the sequence of each patch (row-major)."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
+    """The inverse permutation: the place in the sequence of each patch (row-major).
+    A ``ValueError`` if ``order`` is not a permutation of ``0 .. N-1`` (checked in O(N))."""
+    size = order.numel()
+    low, high = (int(value) for value in torch.aminmax(order)) if size else (0, -1)
+    inverse = torch.full_like(order, -1)
+    if low >= 0 and high < size:
+        inverse[order] = torch.arange(size, device=order.device)
+    if size and int(inverse.min()) < 0:  # a value out of range, or one repeated (so another missing)
+        raise ValueError(
+            f"order must be a permutation of 0 .. {size - 1} (each patch once), as grid_order returns, got "
+            f"{size} values from {low} to {high}{', some repeated' if low >= 0 and high < size else ''}"
+        )
     return inverse
 
 
@@ -99,7 +142,7 @@ def shard(x: torch.Tensor, order: torch.Tensor, rank: int, world_size: int, extr
     world_size = validation.check_positive_int(world_size, "world_size")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
-    piece = torch.tensor_split(_index(order, extra_tokens, "cpu"), world_size)[rank]
+    piece = torch.tensor_split(_index(order, extra_tokens, order.device), world_size)[rank]
     return x.index_select(dim, piece.to(x.device))
 
 
@@ -108,7 +151,15 @@ def locality(order: torch.Tensor, height: int, width: int, segment_length: int) 
     are on the ``height x width`` grid: ``neighbour_share``, the fraction of pairs of
     4-neighbour patches that fall in one segment; ``box_rows`` and ``box_cols``, the
     mean height and width of a segment's bounding box (in patches)."""
-    segment = (positions(order) // segment_length).view(height, width)
+    height, width = _check_grid(height, width)
+    segment_length = validation.check_positive_int(segment_length, "segment_length")
+    inverse = _check_order(order)
+    if order.numel() != height * width:
+        raise ValueError(
+            f"order must have height * width = {height} x {width} = {height * width} entries, got {order.numel()}: "
+            "pass the height and width of the grid it orders"
+        )
+    segment = (inverse // segment_length).view(height, width)
     same = [segment[:, 1:] == segment[:, :-1], segment[1:] == segment[:-1]]
     pairs = sum(t.numel() for t in same)
     count = ceil_div(order.numel(), segment_length)

@@ -35,6 +35,11 @@ def type_name(value) -> str:
     return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
+def counted(number: int, noun: str) -> str:
+    """``1 value``, ``2 values``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def check_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Validate the ``(w_i, r_i)`` lists and return them as tuples of ints."""
     lists = {}
@@ -51,8 +56,8 @@ def check_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tu
         lists[name] = tuple(int(value) for value in values)
     if len(lists["segment_lengths"]) != len(lists["dilation_rates"]):
         raise ValueError(
-            f"segment_lengths ({len(segment_lengths)} values) and dilation_rates "
-            f"({len(dilation_rates)} values) must have the same length: one (w, r) pair per branch"
+            f"segment_lengths ({counted(len(segment_lengths), 'value')}) and dilation_rates "
+            f"({counted(len(dilation_rates), 'value')}) must have the same length: one (w, r) pair per branch"
         )
     return lists["segment_lengths"], lists["dilation_rates"]
 
@@ -125,6 +130,20 @@ def kernel_scale(scale: float, dtype: torch.dtype) -> float:
     return rounded
 
 
+TORCH_FUNC_REFUSAL = (
+    "dilated_attention does not support torch.func transforms (grad, vjp, vmap, ...): use torch.autograd.grad "
+    "or .backward() for gradients, and a batch dimension (or a loop) instead of vmap"
+)
+
+
+def refuse_torch_func() -> None:
+    """A ``RuntimeError`` under a ``torch.func`` transform (``vmap``, ``grad``, ...),
+    raised before any work: the library reads tensor values to plan and to skip work,
+    which a transform cannot follow. ``torch.compile`` is not refused."""
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise RuntimeError(TORCH_FUNC_REFUSAL)
+
+
 def check_flag(value, name: str) -> bool:
     """A Python or NumPy bool."""
     if isinstance(value, bool):
@@ -152,19 +171,29 @@ def check_qkv(q, k, v, layout: str = "bnhd") -> None:
             raise ValueError(f"{name} must have every dim >= 1, got shape {tuple(t.shape)} {dims}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)} {dims}")
-    heads = 1 if layout == "bhnd" else 2
-    batch_and_dim = [(t.shape[0], t.shape[3]) for t in (q, k)]
-    if batch_and_dim[0] != batch_and_dim[1] or q.shape[heads] % k.shape[heads]:
+    if (q.shape[0], q.shape[3]) != (k.shape[0], k.shape[3]):
         raise ValueError(
-            f"k must have the shape of q {tuple(q.shape)} but for its length (and, for grouped-query "
-            f"attention, a number of heads that divides q's), got {tuple(k.shape)} {dims}: dilated attention "
-            "is self-attention over one sequence"
+            f"k must have the batch size and head_dim of q {tuple(q.shape)}, got {tuple(k.shape)} {dims}: "
+            "dilated attention is self-attention over one sequence"
         )
+    heads = 1 if layout == "bhnd" else 2
+    check_key_heads(int(q.shape[heads]), int(k.shape[heads]))
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name} must have the dtype of q ({q.dtype}), got {t.dtype}: cast it")
         if t.device != q.device:
             raise ValueError(f"{name} must be on the device of q ({q.device}), got {t.device}: move it")
+
+
+def check_key_heads(num_heads: int, kv_heads: int) -> None:
+    """Grouped-query attention: the key/value heads ``H_kv`` divide the query heads ``H``."""
+    if num_heads % kv_heads:
+        divisors = ", ".join(str(d) for d in range(1, num_heads + 1) if num_heads % d == 0)
+        raise ValueError(
+            f"k and v have {kv_heads} heads and q {num_heads}: grouped-query attention needs the key/value heads "
+            f"H_kv to divide the query heads H (each key/value head serves H / H_kv query heads); give k and v "
+            f"one of {divisors} heads"
+        )
 
 
 def check_int(value, name: str, least: int, below: Optional[int] = None) -> int:
@@ -235,15 +264,22 @@ def check_per_row_ints(value, name: str, batch: int) -> tuple[int, ...]:
     return (operator.index(value),) * batch  # operator.index: torch.compile specialises on it
 
 
+def check_positions(value, name: str, batch: int, least: int, meaning: str) -> tuple[int, ...]:
+    """``value`` as :func:`check_per_row_ints` reads it, each in ``[least, MAX_POSITION]``
+    (``meaning`` says why ``least``)."""
+    positions = check_per_row_ints(value, name, batch)
+    if min(positions) < least:
+        bound = "-2**62" if least == -MAX_POSITION else least
+        raise ValueError(f"{name} must be >= {bound} ({meaning}), got {min(positions)}")
+    if max(positions) > MAX_POSITION:
+        raise ValueError(f"{name} must be at most 2**62 (positions are int64), got {max(positions)}")
+    return positions
+
+
 def check_key_offset(key_offset, batch: int) -> tuple[int, ...]:
     """``key_offset``: an int ``>= 0``, or a ``(B,)`` integer tensor of them; one per
     batch row."""
-    offsets = check_per_row_ints(key_offset, "key_offset", batch)
-    if min(offsets) < 0:
-        raise ValueError(f"key_offset must be >= 0 (the position of k's first row), got {min(offsets)}")
-    if max(offsets) > MAX_POSITION:
-        raise ValueError(f"key_offset must be at most 2**62 (positions are int64), got {max(offsets)}")
-    return offsets
+    return check_positions(key_offset, "key_offset", batch, 0, "the position of k's first row")
 
 
 def check_window(key_offset: int, num_queries: int, num_keys: int, segment_lengths) -> None:

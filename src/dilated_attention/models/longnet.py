@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .. import validation
-from ..cache import DilatedKVCache
+from ..cache import DilatedKVCache, check_batch
 from ..modules import MultiheadDilatedAttention, sequence_positions
 from ..rotary import RotaryEmbedding
 from .config import LongNetConfig
@@ -167,6 +167,8 @@ class LongNetLM(nn.Module):
             raise TypeError(f"cache must come from model.new_cache, got {validation.type_name(cache)}")
         if cache is not None and len(cache.layers) != len(self.blocks):
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.blocks)}")
+        if cache is not None:
+            check_batch(cache.layers[0].shape[0], tokens.shape[0], "tokens")
         if positions is None:
             positions = sequence_positions(tokens.shape[1], tokens.device, cache, process_group)
         x = self.dropout(self.embedding(tokens) * math.sqrt(self.config.dim))
