@@ -112,8 +112,10 @@ def test_orders_are_cached_per_grid_and_checked():
     order = grid_order("zorder", 3, 3)
     with pytest.raises(ValueError, match="extra_tokens \\+ height \\* width = 1 \\+ 9"):
         apply(torch.zeros(1, 9, 2), order, extra_tokens=1)
-    with pytest.raises(ValueError, match="rank must be an int in"):
+    with pytest.raises(ValueError, match=re.escape("rank must be in [0, 2), got 2")):
         shard(torch.zeros(1, 9, 2), order, 2, 2)
+    with pytest.raises(TypeError, match="rank must be an int, got float"):
+        shard(torch.zeros(1, 9, 2), order, 1.0, 2)
     with pytest.raises(TypeError, match="order must be a 1-D int64 tensor"):
         invert(torch.zeros(1, 9, 2), order.int())
 

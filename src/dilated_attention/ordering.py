@@ -140,8 +140,7 @@ def shard(x: torch.Tensor, order: torch.Tensor, rank: int, world_size: int, extr
     the rest: what each rank of a ``process_group`` passes to the attention."""
     _check_sequence(x, order, extra_tokens, dim)
     world_size = validation.check_positive_int(world_size, "world_size")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+    rank = validation.check_int(rank, "rank", 0, world_size)
     piece = torch.tensor_split(_index(order, extra_tokens, order.device), world_size)[rank]
     return x.index_select(dim, piece.to(x.device))
 
