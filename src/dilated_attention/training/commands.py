@@ -43,8 +43,9 @@ def add_train(sub, add_command) -> None:
         sub, "train", "Train a LongNet language model on bytes (resumable).",
         "Train a decoder-only LongNet (causal dilated attention) on UTF-8 text as bytes: by default on the "
         "Python standard library's own sources. Writes config.json, log.jsonl, loss.png and checkpoint.pt "
-        "into the run folder. Under torchrun the processes split each step (data parallel, or "
-        "--sequence-parallel). Ctrl-C stops after the current step with a checkpoint.",
+        "(the one before it kept as checkpoint.previous.pt) into the run folder, which one process holds at a "
+        "time. Under torchrun the processes split each step (data parallel, or --sequence-parallel). Ctrl-C "
+        "stops after the current step with a checkpoint.",
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out", help=f"the run folder (default: a new folder under {RUNS}/)")
