@@ -1,7 +1,11 @@
 import os
 
-import torch
-from hypothesis import HealthCheck, settings
+# The fused Triton kernels run in Triton's interpreter on the CPU, which Triton picks
+# when it is imported: before anything (transformers, torch.compile) imports it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "default",

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dilated_attention.functional as functional
-from dilated_attention.plan import HEAD_OFFSETS, MODES
+from dilated_attention.plan import HEAD_OFFSETS, MODES, window_start_needed
 
 
 MEMORY_LAYOUTS = ("contiguous", "head_dim_strided", "sliced", "expanded")
@@ -75,6 +75,27 @@ def configs(draw, max_len=48, max_heads=6, grouped_query=False):
         memory=draw(st.sampled_from(MEMORY_LAYOUTS)),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
+
+
+@st.composite
+def windows(draw, max_len=40, max_heads=6):
+    """A causal configuration, a sequence, how many of its last positions are queries,
+    and where the key window starts (anywhere from 0 to the latest start allowed)."""
+    cfg = draw(configs(max_len=max_len, max_heads=max_heads, grouped_query=True))
+    cfg["is_causal"] = True
+    total = cfg["seq_len"]
+    queries = draw(st.integers(1, total))
+    latest = window_start_needed(total - queries, cfg["segment_lengths"])
+    return cfg, queries, draw(st.integers(0, latest))
+
+
+def poison(data, tensors, most: int = 3) -> None:
+    """Put a NaN or an infinity at 1 to ``most`` drawn places of ``tensors`` (in place),
+    drawn by hypothesis's ``data``."""
+    for _ in range(data.draw(st.integers(1, most))):
+        tensor = data.draw(st.sampled_from(tensors))
+        index = tuple(data.draw(st.integers(0, size - 1)) for size in tensor.shape)
+        tensor[index] = data.draw(st.sampled_from([float("nan"), float("inf"), -float("inf")]))
 
 
 def split_config(cfg):

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LargestTensor, call_budget, configs, forced_kernel, random_inputs, split_config
+from helpers import LargestTensor, call_budget, configs, forced_kernel, poison, random_inputs, split_config
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -233,10 +233,7 @@ def test_non_finite_inputs_follow_the_definition(cfg, data):
     inputs, attn = split_config(cfg)
     (q, k, v), (grad, grad_lse), mask = random_inputs(**inputs)
     q, k, v = (t.detach().clone() for t in (q, k, v))
-    for _ in range(data.draw(st.integers(1, 3))):
-        tensor = data.draw(st.sampled_from([q, k, v]))
-        index = tuple(data.draw(st.integers(0, size - 1)) for size in tensor.shape)
-        tensor[index] = data.draw(st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+    poison(data, [q, k, v])
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse = dilated_attention(q, k, v, key_padding_mask=mask, return_lse=True, **attn)
     ref, ref_lse = reference_dilated_attention(q, k, v, key_padding_mask=mask, **attn)

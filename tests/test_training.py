@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -289,9 +290,12 @@ def test_a_second_process_on_a_run_folder_is_refused_while_the_first_holds_it(tm
     run = str(tmp_path / "run")
     train(run, settings(text_file, steps=2), CONFIG, progress=False)
     with RunLock(run):  # as a running process holds it
-        for argv in (["train", "--resume", run, "--steps", "4"], ["train", "--out", run, "--data", text_file]):
-            message = _error(argv, capsys)
-            assert f"{run} is in use by another process (PID {os.getpid()} holds" in message
+        message = _error(["train", "--resume", run, "--steps", "4"], capsys)
+        assert f"{run} is in use by another process (PID {os.getpid()} holds" in message
+        assert "already holds a run" in _error(["train", "--out", run, "--data", text_file], capsys)
+        fresh = str(tmp_path / "fresh")
+        with RunLock(str(tmp_path)):  # a lock on another folder is no obstacle
+            assert train(fresh, settings(text_file, steps=1), CONFIG, progress=False)["step"] == 1
     assert len(read_log(run)) == 2
     assert train(run, settings(text_file, steps=3, data=os.path.abspath(text_file)), resume=True,
                  progress=False)["step"] == 3  # released: the next run takes it
@@ -347,7 +351,7 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path, text_f
 def test_temporaries_of_a_killed_writer_are_removed_when_the_run_restarts(tmp_path, text_file):
     run = tmp_path / "run"
     train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
-    stale = run / ".checkpoint.pt.0123456789abcdef.tmp"  # what SIGKILL during a write leaves
+    stale = run / f".checkpoint.pt.{'0123456789abcdef' * 2}.tmp"  # what SIGKILL during a write leaves
     stale.write_bytes(b"partial checkpoint")
     train(str(run), settings(text_file, steps=3, data=os.path.abspath(text_file)), resume=True, progress=False)
     assert not stale.exists()
@@ -512,3 +516,87 @@ def test_a_longer_run_is_remembered_so_a_plain_resume_works_later(tmp_path, text
     assert "sessions before step 2" in capsys.readouterr().out
     assert main(["train", "--resume", run, "--no-progress"]) == 0  # the total is now 4
     assert "step 4/4 (done)" in capsys.readouterr().out
+
+
+def test_every_failed_write_into_the_run_folder_says_so(tmp_path, text_file, capsys, monkeypatch):
+    """Not only the checkpoint: a full disk while appending to the log or drawing the
+    plot stops the run with one line, the latest checkpoint intact."""
+    import errno
+
+    from dilated_attention.training import run_folder as folder
+
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=2), CONFIG, progress=False)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(run, "log.jsonl"))
+
+    monkeypatch.setattr(folder, "append_log", full)
+    message = _error(["train", "--resume", run, "--steps", "4", "--no-progress"], capsys)
+    assert f"no space left on the device writing {run}/log.jsonl; the latest checkpoint" in message
+    monkeypatch.undo()
+    assert checkpoint.load_checkpoint(run)["step"] == 2
+
+
+@pytest.mark.parametrize("where,value", [(6, 0x80), (10, 8), (10, 99), (8, 1)])
+def test_damage_to_the_archive_directory_is_refused_like_any_other(tmp_path, text_file, capsys, where, value):
+    run = tmp_path / "run"
+    train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
+    data = bytearray((run / "checkpoint.pt").read_bytes())
+    data[data.find(b"PK\x01\x02") + where] = value  # the central directory's version, flags, method
+    (run / "checkpoint.pt").write_bytes(bytes(data))
+    message = _error(["generate", "--run", str(run), "--prompt", "a"], capsys)
+    assert "checkpoint.pt is damaged" in message and "Traceback" not in message
+
+
+def test_a_refused_folder_is_left_as_it_was_and_a_symlinked_lock_is_not_followed(tmp_path, text_file, capsys):
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("x")
+    (user / ".draft.tmp").write_text("keep")
+    assert "is a folder with files in it" in _error(["train", "--out", str(user), "--data", text_file], capsys)
+    assert sorted(os.listdir(user)) == [".draft.tmp", "notes.txt"]
+    own_config = tmp_path / "conf"
+    own_config.mkdir()
+    (own_config / "config.json").write_text('{"not": "a run"}')
+    assert "is a folder with files in it" in _error(["train", "--out", str(own_config), "--data", text_file],
+                                                      capsys)
+    run = tmp_path / "run"
+    train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    os.remove(run / ".lock")
+    os.symlink(precious, run / ".lock")
+    assert ".lock is a symbolic link" in _error(["train", "--resume", str(run), "--steps", "3"], capsys)
+    assert precious.read_text() == "keep me"
+
+
+def test_empty_folder_names_and_damaged_logs_are_refused(tmp_path, text_file, capsys):
+    for argv in (["train", "--resume", ""], ["train", "--out", ""], ["generate", "--run", "", "--prompt", "a"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "must name a folder, got an empty string" in capsys.readouterr().err
+    run = tmp_path / "run"
+    train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
+    log = (run / "log.jsonl").read_text()
+    for damaged in (log.replace('"step"', '"stap"', 1), log + "[1, 2]\n"):
+        (run / "log.jsonl").write_text(damaged)
+        assert "is not a step's record: the log is damaged" in _error(
+            ["train", "--resume", str(run), "--steps", "3"], capsys)
+    (run / "log.jsonl").write_bytes(log.encode() + b"\xff\xfe\n")
+    assert "log.jsonl is not UTF-8 text" in _error(["train", "--resume", str(run), "--steps", "3"], capsys)
+
+
+def test_settings_and_configs_hold_python_numbers_and_sampling_is_checked():
+    numpy = pytest.importorskip("numpy")
+    from dilated_attention.models.generate import sample_next
+
+    s = TrainSettings(steps=numpy.int64(3), lr=numpy.float32(0.01), data=pathlib.Path("x"))
+    assert type(s.steps) is int and type(s.lr) is float and s.data == "x"
+    c = LongNetConfig(dim=numpy.int64(32), heads=4, dropout=numpy.float32(0.1))
+    assert type(c.dim) is int and type(c.dropout) is float and json.loads(c.to_json())["dim"] == 32
+    logits = torch.randn(2, 8)
+    for kwargs, fragment in [(dict(temperature=-1.0), "temperature must be"), (dict(top_p=2.0), "top_p must be"),
+                             (dict(top_p=float("nan")), "top_p must be"), (dict(top_k=0), "top_k must be >= 1")]:
+        with pytest.raises(ValueError, match=fragment):
+            sample_next(logits, **kwargs)

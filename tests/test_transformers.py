@@ -198,6 +198,10 @@ def test_the_bounded_cache_needs_the_model_to_run_the_registration():
         DilatedCache(model, name="dilated_one_segment")
     with pytest.raises(TypeError, match="transformers model or config"):
         DilatedCache("llama")
+    cache = DilatedCache(model)
+    model.set_attn_implementation("sdpa")  # after the cache was built: refused when it is used
+    with pytest.raises(ValueError, match="runs attention implementation 'sdpa', not 'dilated'"):
+        model(torch.randint(0, 61, (1, 5)), past_key_values=cache)
 
 
 @torch.no_grad()

@@ -3,25 +3,12 @@ output row equals that row of one causal call on the whole sequence."""
 
 import pytest
 import torch
-from helpers import configs, random_inputs, split_config
+from helpers import random_inputs, split_config, windows
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import dilated_attention, reference_dilated_attention
 from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
-from dilated_attention.plan import window_start_needed
-
-
-@st.composite
-def windows(draw, max_len=40):
-    """A causal configuration, a sequence, how many of its last positions are queries,
-    and where the key window starts (anywhere from 0 to the latest start allowed)."""
-    cfg = draw(configs(max_len=max_len, grouped_query=True))
-    cfg["is_causal"] = True
-    total = cfg["seq_len"]
-    queries = draw(st.integers(1, total))
-    latest = window_start_needed(total - queries, cfg["segment_lengths"])
-    return cfg, queries, draw(st.integers(0, latest))
 
 
 def window_of(tensors, mask, total, queries, start):

@@ -113,9 +113,11 @@ class CaseResult:
         return max(self.out_error, self.lse_error, self.grad_error) <= self.tolerance
 
 
-def run_case(case: Case, device, dtype, generator: Optional[torch.Generator] = None) -> CaseResult:
-    """Draw random inputs, run library and reference, compare output, LSE and
-    the gradients of ``q, k, v`` for a random output gradient."""
+def run_case(case: Case, device, dtype, generator: Optional[torch.Generator] = None,
+             kernel: Optional[str] = None) -> CaseResult:
+    """Draw random inputs, run library (``kernel``: see :mod:`dilated_attention.fused`)
+    and reference, compare output, LSE and the gradients of ``q, k, v`` for a random
+    output gradient."""
     shape = (case.batch, case.seq_len, case.heads, case.head_dim)
 
     def draw(*size):
@@ -128,7 +130,7 @@ def run_case(case: Case, device, dtype, generator: Optional[torch.Generator] = N
         mask = (torch.rand(case.batch, case.seq_len, generator=generator) < 0.3).to(device)
     kwargs = dict(mode=case.mode, is_causal=case.is_causal, key_padding_mask=mask)
     out, lse = dilated_attention(
-        q, k, v, case.segment_lengths, case.dilation_rates, return_lse=True, **kwargs
+        q, k, v, case.segment_lengths, case.dilation_rates, return_lse=True, kernel=kernel, **kwargs
     )
     grads = torch.autograd.grad(out, (q, k, v), grad)
     ref_inputs = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]

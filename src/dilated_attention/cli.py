@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import __version__, benchmark, validation
+from . import __version__, benchmark, fused, validation
 from .arguments import Parser, device_type, number, positive_float, positive_int, positive_ints, seed
 from .extras import MissingExtra, require
 from .files import fresh_folder, write_results
@@ -32,9 +32,11 @@ def _cmd_check(args) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     failed = 0
     for name in args.dtype:
-        results = [run_case(c, torch.device(args.device), DTYPES[name], generator) for c in default_cases()]
+        device, dtype = torch.device(args.device), DTYPES[name]
+        path = fused.describe(torch.empty(1, 1, 1, 16, dtype=dtype, device=device), kernel=args.kernel)
+        results = [run_case(c, device, dtype, generator, args.kernel) for c in default_cases()]
         failed += sum(not r.ok for r in results)
-        print(f"\n{name} on {args.device}: library vs float64 reference (seed {args.seed})")
+        print(f"\n{name} on {args.device}: library vs float64 reference (seed {args.seed}); kernels: {path}")
         print(format_table(results))
     print(f"\n{'FAILED' if failed else 'all passed'}: {failed} failing case(s)")
     return 1 if failed else 0
@@ -202,6 +204,9 @@ def _add_check(sub) -> None:
     check.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float64", "float32"],
                        help="dtypes to check, each against its tolerance (default: float64 float32)")
     check.add_argument("--seed", type=seed, default=0, help="seed of the random inputs, in [0, 2**63) (default: 0)")
+    check.add_argument("--kernel", choices=fused.CHOICES,
+                       help="which kernels to check: auto (Triton on CUDA for float16/bfloat16, else PyTorch's), "
+                       "triton or torch (default: $DILATED_ATTENTION_KERNEL, else auto)")
     check.set_defaults(run=_cmd_check)
 
 
@@ -320,6 +325,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return args.run(args)
     except (ValueError, TypeError, MissingExtra) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # memory the sizes asked for and the machine does not have
+        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        print(f"error: out of memory ({first}): use smaller sizes (batch, context, model)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

@@ -28,9 +28,10 @@ from typing import Optional
 
 import torch
 
+from . import fused
 from .dropout import DropoutMask, column_keys, row_keys
 from .kernels import accumulator
-from .plan import Block, Rows, key_heads
+from .plan import Block, FusedPlan, Rows, key_heads
 from .validation import TORCH_FUNC_REFUSAL
 
 
@@ -50,7 +51,9 @@ class EngineConfig:
     sequence positions of the first row of ``q`` and of ``k, v``; ``batch_rows``: the
     batch rows of the caller's tensors that these are (``None``: all, in order).
     The last three key the dropout masks. ``keys_checked``: the call's key flags
-    (see :func:`engine_forward`) say which key rows are non-finite.
+    (see :func:`engine_forward`) say which key rows are non-finite. ``fused``: the
+    call runs the fused Triton kernels, which take the whole plan in one launch
+    (``blocks`` and ``kernel`` are then unused).
     """
 
     blocks: tuple[Block, ...]
@@ -64,6 +67,7 @@ class EngineConfig:
     key_position: int = 0
     batch_rows: Optional[tuple[int, ...]] = None
     keys_checked: bool = False
+    fused: Optional[FusedPlan] = None
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:
@@ -357,6 +361,12 @@ def _key_flags(k, v, key_flags, cfg: EngineConfig):
     return key_flags if cfg.keys_checked else nonfinite_rows(k, v)
 
 
+def _any_nonfinite(q, k, v, key_flags, cfg: EngineConfig) -> bool:
+    """Whether ``q``, ``k`` or ``v`` may hold a NaN or an infinity (the fused kernels then
+    check every tile they load)."""
+    return nonfinite_rows(q) is not None or _key_flags(k, v, key_flags, cfg) is not None
+
+
 def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchange=None):
     """Output ``(B, Lq, H, D)`` in ``q.dtype`` and LSE ``(B, Lq, H)``; see module docstring.
 
@@ -366,6 +376,10 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
     ``exchange`` (a :class:`dilated_attention.distributed.Exchange`, or ``None``) has
     posted the transfer of other ranks' rows; it is finished after the local blocks
     have run, so that the transfer overlaps them, and its blocks are merged in."""
+    if cfg.fused is not None:
+        plan = cfg.fused
+        return fused.kernels().forward(q, k, v, padding, plan.key_starts, plan.table, plan.is_causal, cfg.scale,
+                                       cfg.out_scale, _any_nonfinite(q, k, v, key_flags, cfg))
     batch, length, heads, dim = q.shape
     out = _buffer(q.shape, _accumulation_dtype(q.dtype, cfg, exchange is not None), q.device, cfg, 0.0)
     lse = _buffer((batch, length, heads), accumulator(q.dtype), q.device, cfg, -math.inf)
@@ -406,6 +420,13 @@ def engine_backward(
 
     The blocks on other ranks' rows run first: the gradients of those rows are handed
     to ``exchange`` to send while the local blocks run."""
+    if cfg.fused is not None:
+        plan = cfg.fused
+        return fused.kernels().backward(
+            torch.zeros_like(out) if grad_out is None else grad_out, q, k, v, out, lse, grad_lse, padding,
+            plan.key_starts, plan.table, plan.is_causal, cfg.scale, cfg.out_scale,
+            _any_nonfinite(q, k, v, key_flags, cfg),
+        )
     batch, _, _, dim = q.shape
     remote_sources, remote_blocks = exchange.received if exchange is not None else ([], [])
     acc = _accumulation_dtype(q.dtype, cfg, exchange is not None)

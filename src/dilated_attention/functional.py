@@ -7,11 +7,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import validation
+from . import fused, validation
 from .dropout import draw_seed
 from .engine import DilatedAttentionFunction, EngineConfig, contiguous_last_dim
 from .kernels import select_kernel
-from .plan import make_plan, partly_covered_heads
+from .plan import FusedPlan, branch_table, make_plan, partly_covered_heads
 
 # Largest output of one kernel call, in elements. On CPU 2**22 (16 MiB in float32):
 # large enough that per-call overhead is negligible, small enough that glibc serves
@@ -37,6 +37,7 @@ def dilated_attention(
     return_lse: bool = False,
     layout: str = "bnhd",
     process_group=None,
+    kernel: Optional[str] = None,
 ):
     """LongNet dilated attention, computed exactly as ``docs/definition.md`` defines it.
 
@@ -83,6 +84,12 @@ def dilated_attention(
             of the sequence, rank ``k`` holding the ``k``-th; shards may differ in
             length. The output and LSE are the same shard of the single-process
             result, and so are the gradients.
+        kernel: ``"auto"`` (the fused Triton kernels on CUDA for float16/bfloat16,
+            head dims 16..256, no dropout, one process; PyTorch's kernels
+            otherwise), ``"triton"`` (the fused kernels or a ``ValueError`` saying why
+            not) or ``"torch"``; default: ``$DILATED_ATTENTION_KERNEL``, else
+            ``"auto"``. Every choice computes the same function (see
+            :mod:`dilated_attention.fused`).
 
     Returns:
         ``out`` (the layout of ``q``) in the dtype of ``q``; with ``return_lse``,
@@ -139,21 +146,28 @@ def dilated_attention(
             "head counts. Trace once per shape, or use torch.compile, which follows shape changes.",
             stacklevel=2,
         )
-    out, lse = run(call, dropout, seed, exchange)
+    out, lse = run(call, dropout, seed, exchange, kernel=kernel)
     if layout == "bhnd":
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return (out, lse) if want_lse else out
 
 
-def run(call, dropout: float = 0.0, seed=None, exchange=None, key_flags=None, keys_checked: bool = False):
+def run(call, dropout: float = 0.0, seed=None, exchange=None, key_flags=None, keys_checked: bool = False,
+        kernel: Optional[str] = None):
     """A validated call (:class:`dilated_attention.validation.Attention`) through the
     engine: ``(out, lse)``, ``(B, Lq, H, D)`` and ``(B, Lq, H)``.
 
     ``keys_checked``: the caller knows which key rows hold a NaN or an infinity:
     those flagged in ``key_flags`` (``(B, Lk, H)`` bool), none if it is ``None``; the
-    engine then skips scanning ``k, v`` for them (a decode step's window)."""
-    groups = _rows_by_key_offset(call.key_offsets)
+    engine then skips scanning ``k, v`` for them (a decode step's window).
+    ``kernel``: see :mod:`dilated_attention.fused`; the fused kernels take every batch
+    row in one launch, whatever its key offset."""
     checks = (key_flags, keys_checked)
+    if fused.use_triton(call.q, dropout, exchange is not None, kernel):
+        table = branch_table(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets)
+        plan = FusedPlan(table, call.key_offsets, call.is_causal)
+        return _attend(call, call.key_offsets[0], None, dropout, seed, None, *checks, fused_plan=plan)
+    groups = _rows_by_key_offset(call.key_offsets)
     if len(groups) == 1:
         return _attend(call, call.key_offsets[0], None, dropout, seed, exchange, *checks)
     parts = [_attend(call, offset, rows, dropout, seed, None, *checks) for offset, rows in groups]
@@ -169,11 +183,15 @@ def _rows_by_key_offset(key_offsets: tuple[int, ...]) -> list[tuple[int, tuple[i
     return [(offset, tuple(members)) for offset, members in rows.items()]
 
 
-def _attend(call, key_offset: int, rows, dropout: float, seed, exchange, key_flags, keys_checked: bool):
+def _attend(call, key_offset: int, rows, dropout: float, seed, exchange, key_flags, keys_checked: bool,
+            fused_plan: Optional[FusedPlan] = None):
     """The engine on the batch rows ``rows`` (all if ``None``) of a validated call,
-    whose keys start at ``key_offset``."""
+    whose keys start at ``key_offset`` (with ``fused_plan``: through the fused
+    kernels, each row's keys where the plan says)."""
     batch, num_queries, num_heads, _ = call.shape
-    if exchange is not None:
+    if fused_plan is not None:
+        blocks, query_position = (), key_offset + call.num_keys - num_queries
+    elif exchange is not None:
         blocks, query_position = exchange.plan.blocks, exchange.plan.first_position
     else:
         blocks = make_plan(
@@ -188,11 +206,12 @@ def _attend(call, key_offset: int, rows, dropout: float, seed, exchange, key_fla
         scale=validation.kernel_scale(call.scale, call.q.dtype),
         dropout_p=dropout,
         out_scale=1.0 if call.mode == "mixture" else 1.0 / len(call.segment_lengths),
-        kernel=select_kernel(call.q.device, call.q.dtype, dropout),
+        kernel=None if fused_plan is not None else select_kernel(call.q.device, call.q.dtype, dropout),
         query_position=query_position,
         key_position=query_position + num_queries - call.num_keys,
         batch_rows=rows,
         keys_checked=keys_checked,
+        fused=fused_plan,
     )
     tensors = [call.q, call.k, call.v, call.padding, key_flags]
     if rows is not None:

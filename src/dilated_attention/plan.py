@@ -422,3 +422,81 @@ def partly_covered_heads(num_heads: int, dilation_rates: Sequence[int], mode: st
         return [] if 1 in dilation_rates else [slice(0, num_heads)]
     bounds = head_group_bounds(num_heads, len(dilation_rates))
     return [slice(*bounds[i]) for i, r in enumerate(dilation_rates) if r > 1]
+
+
+# Query rows a fused program owns per tile (see BranchTable.row_step): the cost model
+# below assumes tiles of this many rows.
+FUSED_TILE_ROWS = 64
+# The largest row step considered: beyond it tiles span too many positions.
+MAX_ROW_STEP = 64
+# Longer segments hold every position a call can have (below 2**62 + 2**31) in their
+# first segment, as this one does: clamping to it changes nothing and keeps a
+# segment's end within int64.
+FUSED_MAX_SEGMENT = 2**62 + 2**40
+
+
+@dataclass(frozen=True)
+class BranchTable:
+    """The branches as a fused kernel reads them, for ``H`` heads: everything of a call's
+    plan that does not depend on its lengths.
+
+    ``segment_lengths``, ``rates``: per branch ``w`` (clamped to
+    :data:`FUSED_MAX_SEGMENT`) and ``r`` (clamped to ``w``); neither clamp changes a
+    selection (a rate of ``w`` or more selects one row per segment).
+    ``offsets[h][i]``: the offset head ``h`` uses in branch ``i``, or ``-1`` where the
+    head does not run the branch (``head_groups``) or its offset selects nothing
+    (``o >= w``). ``row_step``: a fused program owns the query rows ``p = c, c + R, c +
+    2R, ...`` (``R = row_step``) of a range of positions, so that each branch whose rate
+    divides ``R`` selects all of its rows within a segment or none (no tile rows wasted);
+    see :func:`fused_row_step`."""
+
+    segment_lengths: tuple[int, ...]
+    rates: tuple[int, ...]
+    offsets: tuple[tuple[int, ...], ...]
+    row_step: int
+
+
+@functools.lru_cache(maxsize=256)
+def branch_table(
+    num_heads: int, segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...], mode: str,
+    head_offsets: str = "interleaved",
+) -> BranchTable:
+    """The :class:`BranchTable` of these branches for ``num_heads`` heads (cached)."""
+    segment_lengths = tuple(min(w, FUSED_MAX_SEGMENT) for w in segment_lengths)
+    rates = tuple(min(r, w) for w, r in zip(segment_lengths, dilation_rates))
+    offsets = [[-1] * len(segment_lengths) for _ in range(num_heads)]
+    for i, head_sets in enumerate(branch_head_sets(num_heads, dilation_rates, mode, head_offsets)):
+        for offset, heads in head_sets:
+            if offset < segment_lengths[i]:
+                for h in range(*heads.indices(num_heads)):
+                    offsets[h][i] = offset
+    used = [i for i in range(len(rates)) if any(row[i] >= 0 for row in offsets)]
+    row_step = fused_row_step(tuple(segment_lengths[i] for i in used), tuple(rates[i] for i in used))
+    return BranchTable(tuple(segment_lengths), rates, tuple(map(tuple, offsets)), row_step)
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """A call as the fused kernels take it: the branches (:class:`BranchTable`), the
+    position of each batch row's first key, and causality."""
+
+    table: BranchTable
+    key_starts: tuple[int, ...]
+    is_causal: bool
+
+
+def fused_row_step(segment_lengths: tuple[int, ...], rates: tuple[int, ...], tile_rows: int = FUSED_TILE_ROWS) -> int:
+    """The row step ``R`` (a divisor of ``lcm(rates)``, at most :data:`MAX_ROW_STEP`) that
+    minimises the work of a fused program's tiles: tiles of ``tile_rows`` rows ``R``
+    positions apart. A branch whose rate ``r`` does not divide ``R`` selects only a
+    fraction ``gcd(R, r) / r`` of a tile's rows, and one whose segments are shorter
+    than a tile's span ``R * tile_rows`` fills a fraction of the tile per segment:
+    the work of branch ``i``, ``w_i / r_i**2`` per position, is scaled by both."""
+    limit = math.lcm(*rates) if rates else 1
+    candidates = [d for d in range(1, min(limit, MAX_ROW_STEP) + 1) if limit % d == 0]
+
+    def work(step: int) -> float:
+        return sum(w / r**2 * (r / math.gcd(step, r)) * max(1.0, step * tile_rows / w)
+                   for w, r in zip(segment_lengths, rates))
+
+    return min(candidates, key=lambda step: (work(step), step))

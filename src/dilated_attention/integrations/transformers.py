@@ -121,6 +121,9 @@ class DilatedCache(Cache):
     forward (every supported ``transformers`` version takes that name; 5.24 renamed it
     ``cache=`` and still takes the old one, with a ``FutureWarning``).
 
+    A cache belongs to the model it is built for, and refuses updates once that model
+    runs another attention implementation.
+
     ``model``: the model (or its config) after ``set_attn_implementation(name)``;
     ``name``, if given, must be the registration the model's (text) config runs: any
     other attention reading this cache would see a sliding window, so it is refused.
@@ -137,18 +140,32 @@ class DilatedCache(Cache):
         if name not in _REGISTERED:
             raise ValueError(f"{name!r} is not a dilated attention registration (registered: "
                              f"{sorted(_REGISTERED)}): call register() and model.set_attn_implementation(name)")
-        if running != name:
-            raise ValueError(f"the model runs attention implementation {running!r}, not {name!r}: call "
-                             f"model.set_attn_implementation({name!r}) before building DilatedCache (another "
-                             "attention would read its kept window as a sliding window)")
+        _check_running(config, name)
+        self._config, self._name = config, name
         # The layer keeps sliding_window - 1 positions; at least one (a window of 1 keeps all).
         self.window = max(2, max(_REGISTERED[name]["segment_lengths"]))
         super().__init__(layers=[_WindowLayer(sliding_window=self.window) for _ in range(config.num_hidden_layers)])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """``transformers``' update, once the model is known to still run the registration
+        (after ``set_attn_implementation("sdpa")`` the model would read the kept window
+        as a sliding window)."""
+        _check_running(self._config, self._name)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def nbytes(self) -> int:
         """Bytes of memory the keys and values hold on to."""
         return held_bytes(self)
+
+
+def _check_running(config, name: str) -> None:
+    """A ``ValueError`` unless ``config`` (a text config) runs attention ``name``."""
+    running = config._attn_implementation
+    if running != name:
+        raise ValueError(f"the model runs attention implementation {running!r}, not {name!r}: call "
+                         f"model.set_attn_implementation({name!r}) before using a DilatedCache (another "
+                         "attention would read its kept window as a sliding window)")
 
 
 def held_bytes(cache: Cache) -> int:

@@ -45,14 +45,14 @@ class LongNetConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "dim", "depth", "heads", "ffn_dim"):
-            validation.check_positive_int(getattr(self, name), name)
+            object.__setattr__(self, name, validation.check_positive_int(getattr(self, name), name))
         segs, rates = validation.check_branches(self.segment_lengths, self.dilation_rates)
         object.__setattr__(self, "segment_lengths", segs)
         object.__setattr__(self, "dilation_rates", rates)
         validation.check_mode(self.mode)
         validation.check_head_offsets(self.head_offsets)
-        validation.check_dropout(self.dropout, "dropout")
-        validation.check_flag(self.tie_embeddings, "tie_embeddings")
+        object.__setattr__(self, "dropout", validation.check_dropout(self.dropout, "dropout"))
+        object.__setattr__(self, "tie_embeddings", validation.check_flag(self.tie_embeddings, "tie_embeddings"))
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
         if self.mode == "head_groups":
@@ -61,8 +61,10 @@ class LongNetConfig:
             raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim (dim / heads), got {self.head_dim}")
-        validation.check_number(self.rotary_base, "rotary_base", 1, low_open=True)
-        validation.check_number(self.layer_norm_eps, "layer_norm_eps", 0, low_open=True)
+        object.__setattr__(self, "rotary_base", validation.check_number(self.rotary_base, "rotary_base", 1,
+                                                                        low_open=True))
+        object.__setattr__(self, "layer_norm_eps", validation.check_number(self.layer_norm_eps, "layer_norm_eps", 0,
+                                                                           low_open=True))
 
     @property
     def head_dim(self) -> int:

@@ -10,8 +10,7 @@ import torch
 from .. import validation
 
 
-def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
-    validation.check_non_negative_int(max_new_tokens, "max_new_tokens")
+def _check_sampling(temperature, top_k, top_p) -> None:
     validation.check_number(temperature, "temperature", 0, meaning=" (0: the likeliest token)")
     if top_k is not None:
         validation.check_positive_int(top_k, "top_k")
@@ -24,6 +23,9 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     """``logits`` ``(B, V)`` -> ``(B,)`` token ids: the likeliest with ``temperature=0``,
     else drawn from ``softmax(logits / temperature)`` kept to the ``top_k`` likeliest
     tokens and to the smallest set whose probability reaches ``top_p``."""
+    _check_sampling(temperature, top_k, top_p)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
+        raise ValueError("logits must be a floating-point tensor of shape (batch, vocab_size)")
     # float64: a temperature down to the smallest float64 (1e-320) divides without
     # overflowing the likeliest token's 0, so a tiny temperature samples the likeliest
     # tokens (uniformly among ties), as its limit does.
@@ -54,7 +56,8 @@ def stream(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: flo
     (``(P,)`` or ``(B, P)``, ``P >= 1``). The prompt is fed in chunks of the longest
     segment, each new token alone, all through one cache (``cache``, or a new one), in
     eval mode (the model's mode is restored afterwards)."""
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    validation.check_non_negative_int(max_new_tokens, "max_new_tokens")
+    _check_sampling(temperature, top_k, top_p)
     if not isinstance(prompt, torch.Tensor):
         raise TypeError(f"prompt must be a tensor of token ids, got {validation.type_name(prompt)}")
     tokens = prompt.unsqueeze(0) if prompt.dim() == 1 else prompt

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
-import pickle
+import shlex
 import zipfile
 from typing import Optional
 
@@ -65,8 +65,8 @@ def damage(path: str) -> Optional[str]:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        return f"not a readable archive: {exc}"
+    except Exception as exc:  # whatever a damaged archive makes zipfile raise
+        return f"not a readable archive: {type(exc).__name__}: {str(exc)[:200]}"
     return None if bad is None else f"the bytes of its record {bad} do not match their checksum"
 
 
@@ -85,7 +85,7 @@ def load_checkpoint(run_dir: str, name: str = CHECKPOINT) -> dict:
         raise ValueError(f"{path} is damaged ({problem}), so it is not used. {_recovery(run_dir, name)}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
+    except Exception as exc:  # whatever a damaged file makes torch.load raise
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         raise ValueError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {reason}); it is damaged or "
                          "was not written by dilated-attention train") from None
@@ -106,6 +106,6 @@ def _recovery(run_dir: str, damaged: str) -> str:
         step = load_checkpoint(run_dir, PREVIOUS)["step"]
     except ValueError:
         return f"The checkpoint before it, {previous}, is damaged too: train a new run."
-    return (f"The checkpoint before it, of step {step}, is intact: to go back to it, run "
-            f"`mv {previous} {os.path.join(run_dir, CHECKPOINT)}`, then the command again (a resumed run trains "
-            f"the steps after {step} again).")
+    back = f"mv {shlex.quote(previous)} {shlex.quote(os.path.join(run_dir, CHECKPOINT))}"
+    return (f"The checkpoint before it, of step {step}, is intact: to go back to it, run `{back}`, then the "
+            f"command again (a resumed run trains the steps after {step} again).")

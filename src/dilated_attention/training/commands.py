@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import dataclasses
 import os
+import shutil
 import sys
 import time
 
@@ -12,7 +14,7 @@ import torch
 
 from ..arguments import device_type, number, seed
 from ..models import PRESETS, LongNetConfig
-from . import checkpoint
+from . import checkpoint, run_folder
 from .run_folder import read_log, read_run_config
 from .settings import AUTOCAST_DTYPES, TrainSettings
 from .trainer import load_model, train
@@ -48,8 +50,8 @@ def add_train(sub, add_command) -> None:
         "stops after the current step with a checkpoint.",
     )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--out", help=f"the run folder (default: a new folder under {RUNS}/)")
-    where.add_argument("--resume", metavar="RUN_DIR",
+    where.add_argument("--out", type=folder, help=f"the run folder (default: a new folder {RUNS}/YYYYmmdd-HHMMSS-PID)")
+    where.add_argument("--resume", type=folder, metavar="RUN_DIR",
                        help="continue this run exactly where its checkpoint left it (default: start a new run)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: tiny)")
@@ -84,15 +86,23 @@ def _cmd_train(args) -> int:
         if args.preset or args.config:
             raise ValueError("a resumed run keeps its model: drop --preset/--config")
         _, saved = read_run_config(args.resume)
+        if "data" in given:  # as a new run records it
+            given["data"] = os.path.abspath(given["data"])
         # A time limit is per invocation: the saved one does not carry over.
         run_dir, config, settings = args.resume, None, dataclasses.replace(saved, **{"minutes": None, **given})
     else:
         config = _model_config(args)
         given.setdefault("context", max(TrainSettings.context, config.max_segment))
         settings = TrainSettings(**given)
-        run_dir = args.out or os.path.join(RUNS, time.strftime("%Y%m%d-%H%M%S"))
-    summary = train(run_dir, settings, config, resume=bool(args.resume), device=args.device,
-                    progress=not args.no_progress)
+        # The process id keeps runs started in the same second apart.
+        run_dir = args.out or os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    try:
+        summary = train(run_dir, settings, config, resume=bool(args.resume), device=args.device,
+                        progress=not args.no_progress)
+    except BaseException:
+        if not args.resume and not args.out:
+            _remove_if_unused(run_dir)
+        raise
     if int(os.environ.get("RANK", "0")) == 0:
         _report(summary)
     code = 130 if summary["stopped"] == "interrupted" else 0
@@ -104,6 +114,19 @@ def _cmd_train(args) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def folder(text: str) -> str:
+    """An argparse type: a folder's path, not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a folder, got an empty string")
+    return text
+
+
+def _remove_if_unused(run_dir: str) -> None:
+    """Delete the default run folder of a run that failed before writing anything."""
+    if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= {run_folder.LOCK}:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _model_config(args) -> LongNetConfig:
@@ -138,7 +161,7 @@ def add_generate(sub, add_command) -> None:
         "bounded by the longest segment, however long the text), print it as it comes, then the "
         "speed and the cache's size.",
     )
-    p.add_argument("--run", dest="run_dir", metavar="RUN_DIR",
+    p.add_argument("--run", dest="run_dir", type=folder, metavar="RUN_DIR",
                    help=f"the run folder (default: the newest under {RUNS}/)")
     p.add_argument("--prompt", required=True,
                    help="the text to continue, taken as the bytes the command line passes (required)")

@@ -116,7 +116,7 @@ class Batches:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, len(self.data) - self.context, (self.batch_size,), generator=self.generator)
-        return _windows(self.data, starts, self.context)
+        return windows(self.data, starts, self.context)
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}
@@ -125,14 +125,20 @@ class Batches:
         self.generator.set_state(state["generator"])
 
 
+def evaluation_starts(data: torch.Tensor, context: int, count: int) -> torch.Tensor:
+    """The starts of ``count`` windows spread evenly over ``data`` (always the same
+    ones), int64 ``(count,)``: :func:`windows` gives their bytes, a batch at a time."""
+    return torch.linspace(0, len(data) - context - 1, count).long()
+
+
 def evaluation_windows(data: torch.Tensor, context: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``count`` windows spread evenly over ``data`` (always the same ones): inputs and
-    targets, int64 ``(count, context)``."""
-    return _windows(data, torch.linspace(0, len(data) - context - 1, count).long(), context)
+    """The ``count`` windows of :func:`evaluation_starts`: inputs and targets, int64
+    ``(count, context)``."""
+    return windows(data, evaluation_starts(data, context, count), context)
 
 
-def _windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+def windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``context + 1`` bytes from each of ``starts``: inputs and next-byte targets,
     int64 ``(len(starts), context)`` each."""
-    windows = data[starts[:, None] + torch.arange(context + 1)].long()
-    return windows[:, :-1], windows[:, 1:]
+    rows = data[starts[:, None] + torch.arange(context + 1)].long()
+    return rows[:, :-1], rows[:, 1:]

@@ -8,6 +8,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 from typing import Optional
 
 from ..files import TEMPORARY_SUFFIX, atomic_write
@@ -30,15 +31,16 @@ class RunLock:
 
     def __init__(self, run_dir: str):
         path = os.path.join(run_dir, LOCK)
-        try:
-            self._fd: Optional[int] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link: the lock file is written
+            self._fd: Optional[int] = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as exc:
+            if os.path.islink(path):
+                raise ValueError(f"{path} is a symbolic link, not the run's lock file: remove it") from None
             raise ValueError(f"cannot lock the run folder {run_dir} ({exc.strerror} creating {path})") from None
         try:
             _lock(self._fd)
         except OSError as exc:
-            os.lseek(self._fd, 0, os.SEEK_SET)
-            holder = os.read(self._fd, 32).decode("ascii", "replace").strip() or "unknown"
+            holder = self._holder()
             self.release()
             if exc.errno not in (errno.EACCES, errno.EAGAIN, errno.EDEADLK):
                 raise ValueError(f"cannot lock the run folder {run_dir} ({exc.strerror})") from None
@@ -49,6 +51,14 @@ class RunLock:
         os.ftruncate(self._fd, 0)
         os.lseek(self._fd, 0, os.SEEK_SET)
         os.write(self._fd, f"{os.getpid()}\n".encode("ascii"))
+
+    def _holder(self) -> str:
+        """The PID the lock file holds, as text (``unknown`` if it cannot be read)."""
+        try:
+            os.lseek(self._fd, 0, os.SEEK_SET)
+            return os.read(self._fd, 32).decode("ascii", "replace").strip() or "unknown"
+        except OSError:  # Windows: the holder's locked byte cannot be read
+            return "unknown"
 
     def release(self) -> None:
         """Give the lock up (closing the file does); a second call does nothing."""
@@ -91,18 +101,28 @@ def never_started(run_dir: str) -> bool:
     first checkpoint: ``config.json`` and an empty log (a run stopped right after it
     started), or nothing at all. Such a folder can start its run again."""
     names = {name for name in os.listdir(run_dir) if name != LOCK and not _is_temporary(name)}
-    return names <= {CONFIG, LOG} and not read_log(run_dir)
+    if not names <= {CONFIG, LOG}:
+        return False
+    try:  # a config.json of the user's own is not a run's
+        if CONFIG in names:
+            read_run_config(run_dir)
+        return not read_log(run_dir)
+    except ValueError:
+        return False
 
 
 def _is_temporary(name: str) -> bool:
-    """Whether ``name`` is one of :func:`dilated_attention.files.atomic_write`'s temporaries."""
-    return name.startswith(".") and name.endswith(TEMPORARY_SUFFIX)
+    """Whether ``name`` is one of :func:`dilated_attention.files.temporary_path`'s names."""
+    return re.fullmatch(r"\..+\.[0-9a-f]{32}" + re.escape(TEMPORARY_SUFFIX), name) is not None
 
 
 def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
     """The model configuration and settings a run folder was started with."""
     path = os.path.join(run_dir, CONFIG)
     if not os.path.isfile(path):
+        if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= {LOCK}:
+            raise ValueError(f"{run_dir} holds no run: one was stopped before it wrote {CONFIG}; start it anew "
+                             f"with --out {run_dir}")
         raise ValueError(f"{run_dir} is not a training run folder: {path} is missing")
     try:
         with open(path, encoding="utf-8") as f:
@@ -140,16 +160,22 @@ def read_log(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, LOG)
     if not os.path.isfile(path):
         return []
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text: the log is damaged") from None
     if lines and not lines[-1].endswith("\n"):
         lines.pop()
     records = []
     for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            raise ValueError(f"{path}, line {number}, is not a JSON record: the log is damaged") from None
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}, line {number}, is not a step's record: the log is damaged") from None
+        records.append(record)
     return records
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,21 +49,28 @@ class TrainSettings:
 
     def __post_init__(self):
         for name in ("context", "batch_size", "steps", "eval_interval", "eval_windows", "checkpoint_interval"):
-            validation.check_positive_int(getattr(self, name), name)
-        validation.check_non_negative_int(self.warmup_steps, "warmup_steps")
-        validation.check_int(self.seed, "seed", 0, validation.SEED_LIMIT)
-        validation.check_number(self.lr, "lr", 0, 1, low_open=True,
-                                meaning=" (AdamW moves each weight by about lr per step)")
-        validation.check_number(self.min_lr_ratio, "min_lr_ratio", 0, 1)
-        validation.check_number(self.weight_decay, "weight_decay", 0, 1 / self.lr,
-                                meaning=" (AdamW multiplies each matrix by 1 - lr * weight_decay per step)")
-        validation.check_number(self.grad_clip, "grad_clip", 0, low_open=True)
+            setattr(self, name, validation.check_positive_int(getattr(self, name), name))
+        self.warmup_steps = validation.check_non_negative_int(self.warmup_steps, "warmup_steps")
+        self.seed = validation.check_int(self.seed, "seed", 0, validation.SEED_LIMIT)
+        self.lr = validation.check_number(self.lr, "lr", 0, 1, low_open=True,
+                                          meaning=" (AdamW moves each weight by about lr per step)")
+        self.min_lr_ratio = validation.check_number(self.min_lr_ratio, "min_lr_ratio", 0, 1)
+        self.weight_decay = validation.check_number(
+            self.weight_decay, "weight_decay", 0, 1 / self.lr,
+            meaning=" (AdamW multiplies each matrix by 1 - lr * weight_decay per step)",
+        )
+        self.grad_clip = validation.check_number(self.grad_clip, "grad_clip", 0, low_open=True)
         if self.minutes is not None:
-            validation.check_number(self.minutes, "minutes", 0, low_open=True)
+            self.minutes = validation.check_number(self.minutes, "minutes", 0, low_open=True)
         for name in ("grad_checkpointing", "sequence_parallel"):
-            validation.check_flag(getattr(self, name), name)
+            setattr(self, name, validation.check_flag(getattr(self, name), name))
         if self.dtype not in AUTOCAST_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(AUTOCAST_DTYPES)}, got {self.dtype!r}")
+        if self.data is not None:
+            try:
+                self.data = os.fspath(self.data)
+            except TypeError:
+                raise TypeError(f"data must be a path or None, got {validation.type_name(self.data)}") from None
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of step ``step`` (0-based)."""

@@ -8,6 +8,7 @@ resumed run computes the same losses, step for step, as one that was never inter
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import signal
@@ -21,7 +22,7 @@ from torch.nn import functional as F
 from ..extras import require
 from ..models import LongNetConfig, LongNetLM
 from . import checkpoint, parallel, run_folder
-from .data import Batches, check_long_enough, evaluation_windows, load_corpus
+from .data import Batches, check_long_enough, evaluation_starts, load_corpus, windows
 from .settings import AUTOCAST_DTYPES, TrainSettings
 
 def load_model(run_dir: str, device="cpu") -> LongNetLM:
@@ -36,9 +37,12 @@ def load_model(run_dir: str, device="cpu") -> LongNetLM:
 def _matching_config(run_dir: str, config: LongNetConfig, state: dict) -> LongNetConfig:
     saved = LongNetConfig.from_dict(state["model_config"])
     if saved != config:
+        changed = {name: (value, getattr(saved, name)) for name, value in config.to_dict().items()
+                   if value != saved.to_dict()[name]}
+        differences = ", ".join(f"{name} {ours!r} vs {theirs!r}" for name, (ours, theirs) in changed.items())
         raise ValueError(
             f"{os.path.join(run_dir, run_folder.CONFIG)} describes a different model than {run_dir}'s checkpoint "
-            f"({config} vs {saved}): restore config.json, or train a new run"
+            f"({differences}): restore config.json, or train a new run"
         )
     return config
 
@@ -108,6 +112,23 @@ def train(
     same folder.
     """
     require("train", "training")
+    try:
+        return _train_or_resume(run_dir, settings, model_config, resume, device, callback, progress)
+    except OSError as exc:  # a write into the run folder failed: say so, no traceback
+        raise ValueError(_write_failure(exc, run_dir)) from None
+
+
+def _write_failure(exc: OSError, run_dir: str) -> str:
+    """The message for a failed write into ``run_dir``."""
+    where = exc.filename or run_dir
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left on the device writing {where}; the latest checkpoint in {run_dir} is intact: free "
+                f"some space, then continue the run with --resume {run_dir}")
+    return f"cannot write {where} ({exc.strerror}); the latest checkpoint in {run_dir} is intact"
+
+
+def _train_or_resume(run_dir, settings, model_config, resume, device, callback, progress) -> dict:
+    """:func:`train` after its extra is checked."""
     if resume:
         model_config, saved = run_folder.read_run_config(run_dir)
         settings = _resumed_settings(saved, settings)
@@ -136,22 +157,23 @@ def _claim_run_folder(run_dir: str, resume: bool) -> run_folder.RunLock:
     earlier start of a run that never reached its first checkpoint."""
     if not resume:
         run_folder.make_run_folder(run_dir)
+        _check_new_run_folder(run_dir)  # before the lock file goes in: a refused folder stays as it was
     lock = run_folder.RunLock(run_dir)
     try:
-        run_folder.remove_stale_temporaries(run_dir)
         if not resume:
-            if os.path.isfile(os.path.join(run_dir, checkpoint.CHECKPOINT)):
-                raise ValueError(
-                    f"{run_dir} already holds a run: continue it with --resume {run_dir}, or pick another --out"
-                )
-            if not run_folder.never_started(run_dir):
-                raise ValueError(
-                    f"--out {run_dir} is a folder with files in it: pick an empty or new folder for the run"
-                )
+            _check_new_run_folder(run_dir)  # again, now that no other process can start a run in it
+        run_folder.remove_stale_temporaries(run_dir)
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def _check_new_run_folder(run_dir: str) -> None:
+    if os.path.isfile(os.path.join(run_dir, checkpoint.CHECKPOINT)):
+        raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or pick another --out")
+    if not run_folder.never_started(run_dir):
+        raise ValueError(f"--out {run_dir} is a folder with files in it: pick an empty or new folder for the run")
 
 
 def _train(run_dir, settings, model_config, corpus, resume, place, callback, progress) -> dict:
@@ -186,7 +208,7 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
     first_step = step
     trained = place.wrap(model)
     autocast = AUTOCAST_DTYPES[settings.dtype]
-    evaluation = evaluation_windows(corpus.validation, settings.context, settings.eval_windows)
+    evaluation = evaluation_starts(corpus.validation, settings.context, settings.eval_windows)
 
     def loss_sum(module, inputs, targets) -> torch.Tensor:
         """Summed cross entropy (nats) of this rank's part of ``inputs, targets``."""
@@ -202,10 +224,12 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
         at most ``batch_size`` (so that memory does not grow with their number)."""
         model.eval()
         with torch.no_grad():
-            batches = zip(*(t.split(settings.batch_size) for t in evaluation))
-            total = place.sum(sum(loss_sum(model, inputs, targets) for inputs, targets in batches))
+            total = place.sum(sum(
+                loss_sum(model, *windows(corpus.validation, starts, settings.context))
+                for starts in evaluation.split(settings.batch_size)
+            ))
         model.train()
-        return float(total) / evaluation[1].numel() / math.log(2)
+        return float(total) / (len(evaluation) * settings.context) / math.log(2)
 
     def save():
         rng = place.gather(_rng_state(place.device))  # a collective: every rank calls save

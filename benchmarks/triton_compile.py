@@ -1,0 +1,133 @@
+"""Compile the fused Triton kernels for NVIDIA GPUs on a machine without one, and
+report each variant's registers, spills and shared memory.
+
+Triton's wheels bundle ``ptxas``, so ``triton.compile`` turns a kernel into a cubin
+for any architecture without a driver: this checks that every variant the library
+launches compiles for the GPUs it targets (a kernel can run in the interpreter and
+still fail to compile), and gives the resource numbers that bound the block sizes
+before a GPU is at hand. Run it without ``TRITON_INTERPRET`` set:
+
+    python3 benchmarks/triton_compile.py --capability 80 90 --out benchmarks/results/triton-compile.json
+
+Exit status 1 if a variant fails to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dilated_attention import triton_kernels as tk
+
+# Pointer arguments by name: their element type (the input dtype for "{dtype}").
+POINTERS = {
+    "Q": "{dtype}", "K": "{dtype}", "V": "{dtype}", "OUT": "{dtype}", "DQ": "{dtype}", "DO": "{dtype}",
+    "DK": "{dtype}", "DV": "{dtype}", "PAD": "u8", "LSE": "fp32", "DELTA": "fp32", "DLSE": "fp32",
+    "KEY_START": "i64", "SEG": "i64", "RATE": "i64", "OFFSET": "i32",
+}
+FLOATS = {"scale_log2", "scale", "out_scale"}
+DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+def signature(kernel, dtype: str, constexprs: dict) -> dict:
+    """Triton's signature of ``kernel``: pointer and scalar types, ``constexpr`` for
+    the compile-time arguments."""
+    types = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name in POINTERS:
+            types[name] = "*" + POINTERS[name].format(dtype=dtype)
+        else:
+            types[name] = "fp32" if name in FLOATS else "i32"
+    return types
+
+
+def variants(head_dims, dtypes, row_step: int = 4):
+    """``(name, kernel, dtype, constexprs, num_warps, num_stages)`` of every kernel and
+    tile configuration the library's autotuner may launch on a GPU, per head dim and
+    dtype (``row_step``: the query rows' step, 4 for the default branches)."""
+    for head_dim, dtype, causal, padding, check in itertools.product(
+        head_dims, dtypes, (False, True), (False, True), (False, True)
+    ):
+        flags = dict(HEAD_DIM=head_dim, DIM_BLOCK=max(16, triton.next_power_of_2(head_dim)), BRANCHES=3,
+                     CAUSAL=causal, HAS_PADDING=padding, CHECK_FINITE=check, DOT_FP32=False,
+                     PRECISION="ieee" if dtype == "fp32" else "tf32")
+        tag = f"D{head_dim}-{dtype}-{'causal' if causal else 'full'}{'-pad' if padding else ''}{'-check' if check else ''}"
+        passes = [("forward", "forward", tk._forward_kernel, dict(BACKWARD=False, ROW_STEP=row_step)),
+                  ("dq", "forward", tk._forward_kernel, dict(BACKWARD=True, ROW_STEP=row_step)),
+                  ("dkdv", "keys", tk._key_grads_kernel, dict(ROW_STEP=row_step)),
+                  ("decode", "decode", tk._forward_kernel, dict(BACKWARD=False, ROW_STEP=1))]
+        for name, kind, kernel, extra in passes:
+            for block_m, block_n, warps, stages in tk.gpu_configs(kind, head_dim):
+                constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
+                yield f"{name}-{tag}-{block_m}x{block_n}w{warps}s{stages}", kernel, dtype, constexprs, warps, stages
+    for head_dim, dtype in itertools.product(head_dims, dtypes):
+        constexprs = dict(HEAD_DIM=head_dim, DIM_BLOCK=max(16, triton.next_power_of_2(head_dim)), BLOCK=16,
+                          HAS_DLSE=True)
+        yield f"delta-D{head_dim}-{dtype}", tk._delta_kernel, dtype, constexprs, 4, 1
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers, local memory (spills) and shared memory of a cubin, read by the
+    ``cuobjdump`` that ships with Triton."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {"registers": int(found.get("REG", -1)), "stack_bytes": int(found.get("STACK", 0)),
+            "local_bytes": int(found.get("LOCAL", 0))}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--capability", type=int, nargs="+", default=[80, 90],
+                        help="compute capabilities to compile for (default: 80 90)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128],
+                        help="head dims to compile (default: 64 128)")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bfloat16"],
+                        help="input dtypes (default: bfloat16)")
+    parser.add_argument("--out", help="JSON file to write the results to (default: none)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("error: unset TRITON_INTERPRET: the interpreter's kernels do not compile", file=sys.stderr)
+        return 2
+    rows, failures = [], 0
+    for capability in args.capability:
+        for name, kernel, dtype, constexprs, warps, stages in variants(args.head_dims,
+                                                                       [DTYPES[d] for d in args.dtypes]):
+            started = time.perf_counter()
+            try:
+                compiled = triton.compile(
+                    ASTSource(kernel, signature(kernel, dtype, constexprs), constexprs=constexprs),
+                    target=GPUTarget("cuda", capability, 32), options={"num_warps": warps, "num_stages": stages},
+                )
+                row = {"variant": name, "sm": capability, **resources(compiled.asm["cubin"]),
+                       "shared_bytes": compiled.metadata.shared, "seconds": round(time.perf_counter() - started, 2)}
+            except Exception as exc:  # report every failing variant, then fail
+                failures += 1
+                row = {"variant": name, "sm": capability, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"triton": triton.__version__, "variants": rows}, f, indent=1)
+    print(f"{len(rows) - failures} of {len(rows)} variants compiled (Triton {triton.__version__})")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

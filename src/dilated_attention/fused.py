@@ -1,0 +1,102 @@
+"""Which kernels run a call: the engine's block kernels (PyTorch's fused attention ops
+on strided views, :mod:`dilated_attention.kernels`) or the fused Triton kernels
+(:mod:`dilated_attention.triton_kernels`), which run every branch of a call in one
+launch.
+
+The choice, per call: the ``kernel`` argument of
+:func:`dilated_attention.dilated_attention`, else the environment variable
+``DILATED_ATTENTION_KERNEL``, else ``"auto"``:
+
+- ``"auto"``: the Triton kernels on CUDA for float16 and bfloat16 inputs with head
+  dims 16 to 256, without dropout and on one process, when Triton is importable;
+  PyTorch's kernels for everything else;
+- ``"triton"``: the Triton kernels, or a ``ValueError`` saying why they cannot run
+  this call (never a silent fallback). They also take float32 (exact dots, no TF32)
+  and any head dim up to 256; on the CPU they run in Triton's interpreter, which
+  needs ``TRITON_INTERPRET=1`` in the environment before Triton is imported (for tests);
+- ``"torch"``: PyTorch's kernels.
+
+Nothing here imports Triton until a call runs the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+KERNEL_ENV = "DILATED_ATTENTION_KERNEL"
+CHOICES = ("auto", "triton", "torch")
+# Head dims the Triton kernels take (a tile's head dim is a power of two >= 16).
+MAX_HEAD_DIM = 256
+AUTO_MIN_HEAD_DIM = 16
+AUTO_DTYPES = (torch.float16, torch.bfloat16)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def requested(kernel: Optional[str]) -> str:
+    """``kernel``, else ``$DILATED_ATTENTION_KERNEL``, else ``"auto"``, checked."""
+    source = "kernel"
+    if kernel is None:
+        kernel, source = os.environ.get(KERNEL_ENV) or "auto", KERNEL_ENV
+    if kernel not in CHOICES:
+        raise ValueError(f"{source} must be one of {CHOICES} ('auto': Triton where it applies, 'triton': the fused "
+                         f"Triton kernels, 'torch': PyTorch's kernels), got {kernel!r}")
+    return kernel
+
+
+def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> Optional[str]:
+    """Why the Triton kernels cannot run a call on ``q`` ``(B, L, H, D)``, or ``None``."""
+    if dropout > 0:
+        return "dropout is not fused (its masks are the library's position-keyed ones): use dropout_p=0"
+    if distributed:
+        return "process_group calls are not fused (the engine exchanges rows between the ranks)"
+    if q.dtype not in TRITON_DTYPES:
+        return f"{q.dtype} is not fused (float16, bfloat16 and float32 are)"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim {q.shape[-1]} is above {MAX_HEAD_DIM}"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (it comes with PyTorch's CUDA builds; pip install triton)"
+    if q.device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return ("on the CPU they run only in Triton's interpreter: set TRITON_INTERPRET=1 in the environment "
+                    "before Triton is imported (best: before Python starts)")
+        return None
+    if q.device.type != "cuda":
+        return f"Triton has no backend for {q.device.type} tensors here"
+    return None
+
+
+def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: Optional[str]) -> bool:
+    """Whether a call on ``q`` runs the Triton kernels (see the module docstring); a
+    ``ValueError`` for ``kernel="triton"`` where they cannot."""
+    choice = requested(kernel)
+    if choice == "torch":
+        return False
+    reason = why_not_triton(q, dropout, distributed)
+    if choice == "triton":
+        if reason is not None:
+            raise ValueError(f"kernel='triton' cannot run this call: {reason}; or use kernel='auto' or 'torch'")
+        return True
+    return (reason is None and q.device.type == "cuda" and q.dtype in AUTO_DTYPES
+            and q.shape[-1] >= AUTO_MIN_HEAD_DIM)
+
+
+def describe(q: torch.Tensor, dropout: float = 0.0, distributed: bool = False, kernel: Optional[str] = None) -> str:
+    """Which kernels a call on ``q`` runs, in words (what ``dilated-attention check``
+    reports)."""
+    if use_triton(q, dropout, distributed, kernel):
+        where = " in Triton's interpreter" if q.device.type == "cpu" else ""
+        return f"triton (the fused kernels: every branch in one launch{where})"
+    from .kernels import select_kernel
+
+    return f"torch ({select_kernel(q.device, q.dtype, dropout).__name__} on each block of the plan)"
+
+
+def kernels():
+    """The Triton kernel module (imported on first use)."""
+    from . import triton_kernels
+
+    return triton_kernels

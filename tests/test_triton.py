@@ -1,0 +1,198 @@
+"""The fused Triton kernels against the float64 reference, run by Triton's interpreter
+on the CPU: outputs, LSE and every gradient over drawn configurations (both modes,
+both head-offset mappings, causal or not, padding, grouped-query heads, key windows
+with a key offset per sequence, odd lengths, ``w > N``, ``w % r != 0``, ``r > w``,
+any scale, strided inputs, non-finite values), decode steps through the cache, and
+the choice of kernels."""
+
+import math
+import os
+
+import pytest
+import torch
+from helpers import configs, poison, random_inputs, split_config, windows
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilated_attention import DilatedKVCache, dilated_attention, fused, reference_dilated_attention
+from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
+
+pytest.importorskip("triton")
+# conftest.py sets TRITON_INTERPRET=1 before anything imports Triton.
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the interpreter tests need TRITON_INTERPRET=1 before Triton is imported")
+
+# Interpreted kernels run a few programs per second: a handful of drawn cases per
+# property keeps each test to seconds.
+FEW = settings(max_examples=int(os.environ.get("TRITON_MAX_EXAMPLES", "12")))
+DTYPES = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
+
+
+def tolerance(dtype, scale) -> float:
+    # |scale| > 1 amplifies input rounding beyond the tolerances, which are for scales <= 1.
+    return TOLERANCES[dtype] * max(1.0, abs(scale or 0.0)) ** 2
+
+
+def assert_matches_reference(q, k, v, grad, grad_lse, mask, dtype, attn, key_offset=0, reference=None):
+    """The Triton path's output, LSE and gradients against the reference's (by default
+    the reference on these very inputs; ``reference``: ``(out, lse)`` rows of the whole
+    sequence, for a window, whose gradients are then checked on the window)."""
+    out, lse = dilated_attention(q, k, v, key_padding_mask=mask, key_offset=key_offset, return_lse=True,
+                                 kernel="triton", **attn)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_dilated_attention(*ref_in, key_padding_mask=mask, key_offset=key_offset, **attn)
+    tol = tolerance(dtype, attn.get("softmax_scale"))
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == q.shape
+    for expected_out, expected_lse in [(ref_out, ref_lse)] + ([reference] if reference is not None else []):
+        assert max_relative_error(out, expected_out) <= tol
+        assert lse_error(lse, expected_lse) <= tol
+    grads = torch.autograd.grad((out, lse), (q, k, v), (grad.to(dtype), grad_lse.float()))
+    ref_grads = torch.autograd.grad((ref_out, ref_lse), ref_in, (grad.double(), grad_lse.double()))
+    assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+    assert max_relative_error(grads, ref_grads) <= tol
+
+
+@FEW
+@given(configs(max_len=40, max_heads=4, grouped_query=True), DTYPES)
+def test_triton_matches_the_reference(cfg, dtype):
+    inputs, attn = split_config(cfg)
+    (q, k, v), (grad, grad_lse), mask = random_inputs(dtype=dtype, **inputs)
+    assert_matches_reference(q, k, v, grad, grad_lse, mask, dtype, attn)
+
+
+@FEW
+@given(windows(max_len=40, max_heads=4), DTYPES, st.data())
+def test_triton_windows_with_a_key_offset_per_sequence(case, dtype, data):
+    """Queries at the end of a key window (prefill chunks, decode steps), each batch row
+    with its own key offset: rows of the whole sequence's output."""
+    cfg, queries, start = case
+    inputs, attn = split_config(cfg)
+    (q, k, v), (grad, grad_lse), mask = random_inputs(dtype=dtype, **inputs)
+    total = cfg["seq_len"]
+    whole, whole_lse = reference_dilated_attention(q.double(), k.double(), v.double(), key_padding_mask=mask, **attn)
+    # Each batch row shifted by a whole number of lcm(w) positions: the same rows, elsewhere.
+    period = math.lcm(*cfg["segment_lengths"])
+    shifts = torch.tensor([data.draw(st.integers(0, 3)) * period for _ in range(cfg["batch"])])
+    window = [t.detach()[:, start:total].clone().requires_grad_() for t in (k, v)]
+    q_window = q.detach()[:, total - queries :].clone().requires_grad_()
+    assert_matches_reference(
+        q_window, *window, grad[:, total - queries :], grad_lse[:, total - queries :],
+        None if mask is None else mask[:, start:], dtype, attn, key_offset=shifts + start,
+        reference=(whole[:, total - queries :], whole_lse[:, total - queries :]),
+    )
+
+
+@FEW
+@given(configs(max_len=32, max_heads=4, grouped_query=True), st.data())
+def test_triton_non_finite_inputs_follow_the_definition(cfg, data):
+    """NaN and infinities anywhere, padded or not: NaN in exactly the rows a non-finite
+    value reaches (the reference says which), no gradient from them, all finite."""
+    inputs, attn = split_config(cfg)
+    (q, k, v), (grad, grad_lse), mask = random_inputs(dtype=torch.float32, **inputs)
+    q, k, v = (t.detach().clone() for t in (q, k, v))
+    poison(data, [q, k, v])
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = dilated_attention(q, k, v, key_padding_mask=mask, return_lse=True, kernel="triton", **attn)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = reference_dilated_attention(*ref_in, key_padding_mask=mask, **attn)
+    tol = tolerance(torch.float32, attn["softmax_scale"])
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(lse.isnan(), ref_lse.isnan())
+    assert max_relative_error(out, ref) <= tol and lse_error(lse, ref_lse) <= tol
+    grads = torch.autograd.grad((out, lse), (q, k, v), (grad, grad_lse.float()))
+    ref_grads = torch.autograd.grad((ref, ref_lse), ref_in, (grad.double(), grad_lse))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert max_relative_error(grads, ref_grads) <= tol
+
+
+@FEW
+@given(configs(max_len=24, max_heads=4), st.data())
+def test_decode_steps_through_the_cache_run_the_fused_kernels(cfg, data):
+    """A cache fed a prompt then one token at a time, sequences left-padded to different
+    lengths (a key offset per row), with the Triton kernels chosen by the environment:
+    row for row the reference's whole-sequence output."""
+    cfg = dict(cfg, is_causal=True, masked=False, memory="contiguous")
+    inputs, attn = split_config(cfg)
+    tensors, _, _ = random_inputs(dtype=torch.float32, **inputs)
+    tensors = [t.detach() for t in tensors]
+    batch, total = cfg["batch"], cfg["seq_len"]
+    pads = [data.draw(st.integers(0, total - 1)) for _ in range(batch)]
+    prompt = data.draw(st.integers(1, total))
+    cache = DilatedKVCache(batch, cfg["heads"], cfg["head_dim"], attn["segment_lengths"], attn["dilation_rates"],
+                           mode=attn["mode"], head_offsets=attn["head_offsets"],
+                           softmax_scale=attn["softmax_scale"], start=torch.tensor([-p for p in pads]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(fused.KERNEL_ENV, "triton")
+        outs = [cache.attend(*(t[:, :prompt] for t in tensors))]
+        outs += [cache.attend(*(t[:, i : i + 1] for t in tensors)) for i in range(prompt, total)]
+    out = torch.cat(outs, 1)
+    for row, pad in enumerate(pads):
+        ref, _ = reference_dilated_attention(*(t[row : row + 1, pad:].double() for t in tensors), **attn)
+        assert max_relative_error(out[row : row + 1, pad:], ref) <= tolerance(torch.float32, attn["softmax_scale"])
+        assert torch.all(out[row, :pad] == 0)
+
+
+def test_the_interpreter_really_runs_the_triton_kernels(monkeypatch):
+    """Every pass of a forward and backward is a launch of the Triton kernels."""
+    kernels = fused.kernels()
+    assert kernels.INTERPRETED
+    launches = []
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_forward_kernel", "_key_grads_kernel", "_delta_kernel"):
+        monkeypatch.setattr(kernels, name, Counted(name, getattr(kernels, name)))
+    (q, k, v), (grad, _), _ = random_inputs(3, 1, 20, 2, 8, dtype=torch.float32)
+    out = dilated_attention(q, k, v, [4, 8], [1, 2], is_causal=True, kernel="triton")
+    assert launches == ["_forward_kernel"]
+    out.backward(grad)
+    assert launches == ["_forward_kernel", "_delta_kernel", "_forward_kernel", "_key_grads_kernel"]
+
+
+def test_kernel_choice_is_explicit_and_never_silently_changed(monkeypatch):
+    q = torch.randn(1, 8, 2, 16)
+    assert not fused.use_triton(q, 0.0, False, None)  # auto: Triton runs on CUDA only
+    assert fused.use_triton(q, 0.0, False, "triton")
+    assert not fused.use_triton(q.half(), 0.0, False, "torch")
+    for dropout, distributed, dtype, fragment in [
+        (0.1, False, torch.float32, "dropout is not fused"),
+        (0.0, True, torch.float32, "process_group"),
+        (0.0, False, torch.float64, "torch.float64 is not fused"),
+    ]:
+        with pytest.raises(ValueError, match=f"kernel='triton' cannot run this call: {fragment}"):
+            fused.use_triton(q.to(dtype), dropout, distributed, "triton")
+    with pytest.raises(ValueError, match="head_dim 300 is above 256"):
+        fused.use_triton(torch.randn(1, 2, 1, 300), 0.0, False, "triton")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        dilated_attention(q, q, q, [4], [1], kernel="cuda")
+    monkeypatch.setenv(fused.KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="DILATED_ATTENTION_KERNEL must be one of"):
+        dilated_attention(q, q, q, [4], [1])
+    monkeypatch.setenv(fused.KERNEL_ENV, "triton")
+    with pytest.raises(ValueError, match="dropout is not fused"):
+        dilated_attention(q, q, q, [4], [1], dropout_p=0.5)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1"):
+        dilated_attention(q, q, q, [4], [1])
+
+
+def test_the_kernels_take_any_head_dim_up_to_256_and_long_segments():
+    (q, k, v), (grad, grad_lse), _ = random_inputs(4, 1, 9, 2, 200, dtype=torch.float32)
+    attn = dict(segment_lengths=[2**70, 3], dilation_rates=[2**65, 2], mode="mixture", head_offsets="interleaved",
+                is_causal=True, softmax_scale=None)
+    assert_matches_reference(q, k, v, grad, grad_lse, None, torch.float32, attn)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_segment_interiors_take_the_unmasked_tiles_and_stay_exact(is_causal):
+    """Long enough segments that whole tiles of keys (forward, dq) and of queries
+    (dk, dv) are attended in full by every row, which the kernels run unmasked."""
+    (q, k, v), (grad, grad_lse), _ = random_inputs(8, 1, 160, 2, 16, dtype=torch.float32)
+    attn = dict(segment_lengths=[64, 128], dilation_rates=[1, 2], mode="mixture", head_offsets="interleaved",
+                is_causal=is_causal, softmax_scale=None)
+    assert_matches_reference(q, k, v, grad, grad_lse, None, torch.float32, attn)
