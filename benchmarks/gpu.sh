@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# The one script a lent GPU machine runs (about 7 minutes): versions, the library
-# against the float64 reference on CUDA in every dtype, the CUDA tests, and the
-# benchmark beside dense FlashAttention (SDPA). Everything goes into OUTDIR.
+# The one script a lent GPU machine runs (about 8 minutes; each step has its own
+# time limit): versions and the card's ceilings; the fused Triton kernels against the
+# float64 reference (check, then the CUDA tests, both with each pass's first tile
+# configuration: compiling every autotuner candidate of every variant would take most
+# of the lease); the benchmark with the autotuner on, side by side in one run: dense
+# SDPA (FlashAttention), FlexAttention computing the same mixture, the library on its
+# fused Triton kernels and on PyTorch's kernels at N=32768, then the fused kernels
+# alone at N=1M; one-token decoding at 4K, 64K and 1M. Everything goes into OUTDIR.
 #
 #     PYTHONPATH=src bash benchmarks/gpu.sh OUTDIR
 set -u
@@ -11,7 +16,7 @@ export PYTHONPATH=${PYTHONPATH:-src}
 card=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } > "$out/versions-$card.txt" 2>&1
 cat "$out/versions-$card.txt"
 
@@ -21,15 +26,19 @@ step() {  # name, seconds, command...
     local start=$SECONDS
     timeout "$seconds" "$@" > "$out/$name-$card.txt" 2>&1
     echo "$name: exit $? in $((SECONDS - start)) s"
-    tail -n 4 "$out/$name-$card.txt"
+    tail -n 6 "$out/$name-$card.txt"
 }
 
-step flash 60 python3 benchmarks/gpu_flash_layouts.py
-step check 80 python3 -m dilated_attention check --device cuda --dtype float64 float32 bfloat16 float16
-step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+export DILATED_ATTENTION_TRITON_TUNE=0
+step check 120 python3 -m dilated_attention check --device cuda --dtype bfloat16 float16 --kernel triton
+step tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py
+unset DILATED_ATTENTION_TRITON_TUNE
 step bench 180 python3 -m dilated_attention bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
-    --seq-lens 32768 1048576 --impl dense mixture --repeats 5 --max-seconds 20 --no-plot --quiet \
+    --seq-lens 32768 --impl dense flex mixture mixture-torch --repeats 5 --max-seconds 20 --no-plot --quiet \
     --out-dir "$out" --name "bench-cuda-bfloat16-$card"
-step decode 100 python3 -m dilated_attention decode-bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
+step bench-1m 90 python3 -m dilated_attention bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
+    --seq-lens 1048576 --impl mixture --repeats 3 --max-seconds 30 --no-plot --quiet \
+    --out-dir "$out" --name "bench-1m-cuda-bfloat16-$card"
+step decode 60 python3 -m dilated_attention decode-bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
     --positions 4096 65536 1048576 --steps 50 --dense-steps 10 --no-plot --out-dir "$out" \
     --name "decode-cuda-bfloat16-$card"

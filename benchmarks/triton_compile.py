@@ -54,28 +54,28 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict:
     return types
 
 
-def variants(head_dims, dtypes, row_step: int = 4):
+def variants(head_dims, dtypes, all_configs: bool = False):
     """``(name, kernel, dtype, constexprs, num_warps, num_stages)`` of every kernel and
     tile configuration the library's autotuner may launch on a GPU, per head dim and
-    dtype (``row_step``: the query rows' step, 4 for the default branches)."""
+    dtype."""
     for head_dim, dtype, causal, padding, check in itertools.product(
         head_dims, dtypes, (False, True), (False, True), (False, True)
     ):
-        flags = dict(HEAD_DIM=head_dim, DIM_BLOCK=max(16, triton.next_power_of_2(head_dim)), BRANCHES=3,
-                     CAUSAL=causal, HAS_PADDING=padding, CHECK_FINITE=check, DOT_FP32=False,
-                     PRECISION="ieee" if dtype == "fp32" else "tf32")
+        dim_block = max(16, triton.next_power_of_2(head_dim))
+        flags = dict(DIM_BLOCK=dim_block, DIM_MASK=dim_block != head_dim, CAUSAL=causal, HAS_PADDING=padding,
+                     CHECK_FINITE=check, DOT_FP32=False, PRECISION="ieee" if dtype == "fp32" else "tf32")
         tag = f"D{head_dim}-{dtype}-{'causal' if causal else 'full'}{'-pad' if padding else ''}{'-check' if check else ''}"
-        passes = [("forward", "forward", tk._forward_kernel, dict(BACKWARD=False, ROW_STEP=row_step)),
-                  ("dq", "forward", tk._forward_kernel, dict(BACKWARD=True, ROW_STEP=row_step)),
-                  ("dkdv", "keys", tk._key_grads_kernel, dict(ROW_STEP=row_step)),
-                  ("decode", "decode", tk._forward_kernel, dict(BACKWARD=False, ROW_STEP=1))]
+        passes = [("forward", "forward", tk._forward_kernel, dict(BACKWARD=False)),
+                  ("dq", "dq", tk._forward_kernel, dict(BACKWARD=True)),
+                  ("dkdv", "keys", tk._key_grads_kernel, {}),
+                  ("decode", "decode", tk._forward_kernel, dict(BACKWARD=False))]
         for name, kind, kernel, extra in passes:
-            for block_m, block_n, warps, stages in tk.gpu_configs(kind, head_dim):
+            configs = tk.gpu_configs(kind, dim_block)
+            for block_m, block_n, warps, stages in configs if all_configs else configs[:1]:
                 constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
                 yield f"{name}-{tag}-{block_m}x{block_n}w{warps}s{stages}", kernel, dtype, constexprs, warps, stages
     for head_dim, dtype in itertools.product(head_dims, dtypes):
-        constexprs = dict(HEAD_DIM=head_dim, DIM_BLOCK=max(16, triton.next_power_of_2(head_dim)), BLOCK=16,
-                          HAS_DLSE=True)
+        constexprs = dict(DIM_BLOCK=max(16, triton.next_power_of_2(head_dim)), BLOCK=16, HAS_DLSE=True)
         yield f"delta-D{head_dim}-{dtype}", tk._delta_kernel, dtype, constexprs, 4, 1
 
 
@@ -100,6 +100,8 @@ def main(argv=None) -> int:
                         help="head dims to compile (default: 64 128)")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bfloat16"],
                         help="input dtypes (default: bfloat16)")
+    parser.add_argument("--all-configs", action="store_true",
+                        help="every tile configuration the autotuner tries (default: the first of each pass)")
     parser.add_argument("--out", help="JSON file to write the results to (default: none)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -107,8 +109,9 @@ def main(argv=None) -> int:
         return 2
     rows, failures = [], 0
     for capability in args.capability:
-        for name, kernel, dtype, constexprs, warps, stages in variants(args.head_dims,
-                                                                       [DTYPES[d] for d in args.dtypes]):
+        for name, kernel, dtype, constexprs, warps, stages in variants(
+            args.head_dims, [DTYPES[d] for d in args.dtypes], args.all_configs
+        ):
             started = time.perf_counter()
             try:
                 compiled = triton.compile(

@@ -11,6 +11,7 @@ from helpers import configs
 from hypothesis import given
 
 import dilated_attention.benchmark as benchmark
+from dilated_attention import dilated_attention
 from dilated_attention.benchmark import PeakMemory, attended_pairs
 from dilated_attention.cli import main
 from dilated_attention.files import atomic_write, fresh_folder
@@ -199,3 +200,34 @@ def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):
     assert dilated[0] == dilated[1] and dense[1] > 3 * dense[0]  # bounded, against growing
     assert (tmp_path / "decode-cpu-float32.png").read_bytes()[:4] == b"\x89PNG"
     assert "dense/dilated" in (tmp_path / "decode-cpu-float32.txt").read_text()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flexattention_peer_computes_the_same_mixture(is_causal):
+    """The benchmark's FlexAttention peer: its block mask is the branches' pattern and
+    each pair's score gains log(branch count), which is the mixture exactly."""
+    import warnings
+
+    from dilated_attention.benchmark import flex_mixture
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 160, 4, 8, generator=gen) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # uncompiled FlexAttention warns that it is slow
+        fn = flex_mixture(160, 4, [32, 64, 128], [1, 2, 4], is_causal, torch.device("cpu"), compiled=False)
+        out = fn(q, k, v)
+    expected = dilated_attention(q, k, v, [32, 64, 128], [1, 2, 4], is_causal=is_causal)
+    assert (out - expected).abs().max() < 1e-5
+
+
+def test_bench_names_the_kernels_and_the_floor_of_each_row(tmp_path):
+    args = [arg if arg != "mixture" else "dense" for arg in TINY_BENCH]
+    args[args.index("dense") + 1:args.index("dense") + 1] = ["mixture", "mixture-torch"]
+    assert main(args + ["--out-dir", str(tmp_path), "--name", "kernels", "--no-plot"]) == 0
+    result = json.loads((tmp_path / "kernels.json").read_text())
+    assert result["copy_gbps"] > 0
+    rows = {row["impl"]: row for row in result["rows"]}
+    assert set(rows) == {"dense", "mixture", "mixture-torch"}
+    assert rows["mixture-torch"]["kernels"].startswith("torch (CpuFlashKernel")
+    assert all(0 < row["fwd_floor_ms"] < row["fwd_ms"] for row in rows.values())
+    assert "floor" in (tmp_path / "kernels.txt").read_text()

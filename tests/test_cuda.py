@@ -2,6 +2,8 @@
 causal, masks, odd lengths, grouped-query heads, key windows, dropout, decoding.
 Skipped without a CUDA device; ``benchmarks/gpu.sh`` runs them on a lent GPU."""
 
+import importlib.util
+
 import pytest
 import torch
 from helpers import configs, random_inputs, split_config
@@ -82,3 +84,79 @@ def test_cuda_cache_decoding_equals_the_whole_sequence(dtype):
         pieces.append(cache.attend(*(t.detach()[:, rows].to("cuda", dtype) for t in (q, k, v))))
         start += size
     assert max_relative_error(torch.cat(pieces, 1).cpu(), whole) <= TOLERANCES[dtype]
+
+
+# The fused Triton kernels on the GPU (their interpreter tests run everywhere: test_triton.py).
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+LOW = [torch.bfloat16, torch.float16]
+
+
+def _cuda_against_reference(q, k, v, grad, grad_lse, mask, dtype, attn, kernel="triton", key_offset=0):
+    cuda = [t.detach().to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = dilated_attention(*cuda, key_padding_mask=None if mask is None else mask.cuda(), return_lse=True,
+                                 kernel=kernel, key_offset=key_offset, **attn)
+    grads = torch.autograd.grad((out, lse), cuda, (grad.to("cuda", dtype), grad_lse.to("cuda", lse.dtype)))
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_dilated_attention(*ref, key_padding_mask=mask, key_offset=key_offset, **attn)
+    ref_grads = torch.autograd.grad((ref_out, ref_lse), ref, (grad.double(), grad_lse.double()))
+    tolerance = TOLERANCES[dtype]
+    assert out.dtype == dtype and torch.equal(out.isnan().cpu(), ref_out.isnan())
+    assert max_relative_error(out.cpu(), ref_out) <= tolerance
+    assert lse_error(lse.cpu(), ref_lse) <= tolerance
+    assert max_relative_error([g.cpu() for g in grads], ref_grads) <= tolerance
+
+
+@needs_triton
+@settings(max_examples=30, deadline=None)
+@given(configs(max_len=200, max_heads=6, grouped_query=True), st.sampled_from(LOW + [torch.float32]))
+def test_triton_cuda_matches_the_reference(cfg, dtype):
+    cfg = dict(cfg, softmax_scale=None if cfg["softmax_scale"] == -1.3 else cfg["softmax_scale"])
+    inputs, attn = split_config(cfg)
+    (q, k, v), (grad, grad_lse), mask = random_inputs(**inputs)
+    _cuda_against_reference(q, k, v, grad, grad_lse, mask, dtype, attn)
+
+
+@needs_triton
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_triton_cuda_at_real_tile_sizes(head_dim, is_causal, masked):
+    """Segments longer than a tile's span, so that whole tiles run unmasked; grouped
+    query heads; every query head's offsets."""
+    (q, k, v), (grad, grad_lse), mask = random_inputs(7, 2, 1100, 8, head_dim, masked=masked, kv_heads=4)
+    attn = dict(segment_lengths=[256, 512, 1024], dilation_rates=[1, 2, 4], is_causal=is_causal)
+    _cuda_against_reference(q, k, v, grad, grad_lse, mask, torch.bfloat16, attn)
+
+
+@needs_triton
+def test_triton_cuda_windows_and_non_finite_values():
+    (q, k, v), (grad, grad_lse), mask = random_inputs(12, 2, 300, 4, 64, masked=True, kv_heads=2)
+    k, q = k.detach().clone(), q.detach().clone()
+    k[0, 290, 1, 5], q[1, 299, 3, 0] = float("nan"), float("inf")
+    attn = dict(segment_lengths=[64, 128], dilation_rates=[1, 2], is_causal=True)
+    _cuda_against_reference(q[:, 200:], k[:, 128:], v[:, 128:], grad[:, 200:], grad_lse[:, 200:], mask[:, 128:],
+                            torch.float16, attn, key_offset=torch.tensor([128, 384]))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", LOW)
+def test_triton_cuda_decoding_equals_the_whole_sequence(dtype, monkeypatch):
+    monkeypatch.setenv("DILATED_ATTENTION_KERNEL", "triton")
+    (q, k, v), _, _ = random_inputs(9, 3, 150, 8, 64)
+    whole, _ = reference_dilated_attention(q, k, v, [16, 32, 64], [1, 2, 4], is_causal=True)
+    cache = DilatedKVCache(3, 8, 64, [16, 32, 64], [1, 2, 4], dtype=dtype, device="cuda")
+    pieces, start = [], 0
+    for size in (37, 1, 1, 16, 1, 94):
+        rows = slice(start, start + size)
+        pieces.append(cache.attend(*(t.detach()[:, rows].to("cuda", dtype) for t in (q, k, v))))
+        start += size
+    assert max_relative_error(torch.cat(pieces, 1).cpu(), whole) <= TOLERANCES[dtype]
+
+
+def test_auto_runs_the_fused_kernels_on_cuda_for_half_precision():
+    from dilated_attention import fused
+
+    half = torch.empty(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    assert fused.use_triton(half, 0.0, False, None) == (importlib.util.find_spec("triton") is not None)
+    assert not fused.use_triton(half.float(), 0.0, False, None)  # float32: PyTorch's kernels unless asked
+    assert not fused.use_triton(half, 0.1, False, None)  # dropout: the unfused kernel

@@ -196,3 +196,12 @@ def test_segment_interiors_take_the_unmasked_tiles_and_stay_exact(is_causal):
     attn = dict(segment_lengths=[64, 128], dilation_rates=[1, 2], mode="mixture", head_offsets="interleaved",
                 is_causal=is_causal, softmax_scale=None)
     assert_matches_reference(q, k, v, grad, grad_lse, None, torch.float32, attn)
+
+
+def test_check_says_which_kernels_ran(capsys):
+    from dilated_attention.cli import main
+
+    assert main(["check", "--dtype", "float32", "--kernel", "torch"]) == 0
+    assert "kernels: torch (CpuFlashKernel on each block of the plan)" in capsys.readouterr().out
+    described = fused.describe(torch.empty(1, 1, 1, 16), kernel="triton")
+    assert described == "triton (the fused kernels: every branch in one launch in Triton's interpreter)"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import platform
 import statistics
@@ -27,13 +28,18 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from . import fused
 from .functional import dilated_attention
 from .intmath import ceil_div
 from .kernels import select_kernel
 from .plan import make_plan
 from .plotting import log_log, pyplot, save
 
+# What ``bench`` measures by default, and what it can measure: ``mixture-torch`` is the
+# library forced to PyTorch's kernels (``mixture`` takes the fused Triton kernels where
+# they apply), ``flex`` PyTorch's FlexAttention computing the same mixture.
 IMPLEMENTATIONS = ("dense", "kernel", "mixture", "head_groups")
+ALL_IMPLEMENTATIONS = IMPLEMENTATIONS + ("mixture-torch", "flex")
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -238,6 +244,9 @@ class Row:
     fwd_peak_added_bytes: Optional[int] = None
     fwd_bwd_peak_added_bytes: Optional[int] = None
     io_bytes: int = 0  # bytes of q, k, v and the output
+    fwd_floor_ms: Optional[float] = None  # the larger of FLOPs / matmul rate and io bytes / copy bandwidth
+    fwd_bwd_floor_ms: Optional[float] = None  # the same with 3.5x the FLOPs and 3x the bytes
+    kernels: str = ""  # which kernels the library ran
     note: str = ""
 
 
@@ -246,6 +255,7 @@ class BenchResult:
     config: BenchConfig
     machine: dict
     matmul_gflops: float
+    copy_gbps: float
     rows: list[Row] = field(default_factory=list)
 
 
@@ -255,7 +265,10 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
     ``dense``: PyTorch SDPA over the whole sequence. ``kernel``: the fused kernel the
     engine uses, alone, on one contiguous batch shaped like the first branch's work
     (``B * N // w`` segments of ``ceil(w / r)`` rows, all heads): the ceiling the
-    engine's overhead is measured against. ``mixture``/``head_groups``: the library.
+    engine's overhead is measured against. ``mixture``/``head_groups``: the library
+    (``mixture-torch``: on PyTorch's kernels). ``flex``: FlexAttention with the
+    mixture's pattern as a block mask and each key's branch count in the score (see
+    :func:`flex_mixture`): the same function, the nearest peer.
     """
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     args = (cfg.batch, seq_len, cfg.heads, cfg.segment_lengths, cfg.dilation_rates)
@@ -277,7 +290,7 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
 
     else:
         shape = (cfg.batch, seq_len, cfg.heads, cfg.head_dim)
-        pairs = attended_pairs(*args, impl, cfg.is_causal)
+        pairs = attended_pairs(*args, "mixture" if impl == "flex" else impl.partition("-")[0], cfg.is_causal)
         fn_with_grad = None
         if impl == "dense":
 
@@ -287,15 +300,69 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
                 )
                 return out.transpose(1, 2)
 
+        elif impl == "flex":
+            fn = flex_mixture(seq_len, cfg.heads, cfg.segment_lengths, cfg.dilation_rates, cfg.is_causal, device)
         else:
+            mode, _, kernel = impl.partition("-")
 
             def fn(q, k, v):
                 return dilated_attention(
-                    q, k, v, cfg.segment_lengths, cfg.dilation_rates, mode=impl, is_causal=cfg.is_causal
+                    q, k, v, cfg.segment_lengths, cfg.dilation_rates, mode=mode, is_causal=cfg.is_causal,
+                    kernel=kernel or None,
                 )
 
     inputs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(4)]
     return inputs, fn, fn_with_grad, pairs
+
+
+def flex_mixture(seq_len: int, heads: int, segment_lengths, dilation_rates, is_causal: bool, device,
+                 head_offsets: str = "interleaved", compiled: bool = True):
+    """``fn(q, k, v)`` on ``(B, N, H, D)`` tensors: PyTorch's FlexAttention computing the
+    ``mixture`` of these branches exactly. The block mask allows the pairs some branch
+    attends; the score of a pair gains ``log(m)``, ``m`` the number of branches that
+    attend it, so that it counts ``m`` times in the softmax, as the mixture counts it.
+    ``compiled``: through ``torch.compile`` (FlexAttention's fast path)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from .reference import branch_offsets
+
+    offsets = [o.to(device) for o in branch_offsets(heads, segment_lengths, dilation_rates, "mixture", head_offsets)]
+    branches = [(min(w, seq_len), min(r, w, seq_len)) for w, r in zip(segment_lengths, dilation_rates)]
+
+    def multiplicity(h, q_idx, kv_idx):
+        count = torch.zeros_like(q_idx)
+        for (w, r), offset in zip(branches, offsets):
+            same = (q_idx // w) == (kv_idx // w)
+            chosen = (q_idx % w % r == offset[h]) & (kv_idx % w % r == offset[h])
+            count = count + (same & chosen).to(count.dtype)
+        return count
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = multiplicity(h, q_idx, kv_idx) > 0
+        return allowed & (kv_idx <= q_idx) if is_causal else allowed
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + torch.log(multiplicity(h, q_idx, kv_idx).to(score.dtype))
+
+    block_mask = create_block_mask(mask_mod, None, heads, seq_len, seq_len, device=device, _compile=compiled)
+    attend = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+    def fn(q, k, v):
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
+                     block_mask=block_mask)
+        return out.transpose(1, 2)
+
+    return fn
+
+
+def copy_gbps(device: torch.device, megabytes: int = 1024, repeats: int = 5) -> float:
+    """GB/s of a large device-to-device copy (bytes read plus bytes written): the
+    memory ceiling (median of ``repeats``)."""
+    src = torch.randn(megabytes * 2**18, device=device)
+    dst = torch.empty_like(src)
+    _seconds(lambda: dst.copy_(src), device)
+    times = [_seconds(lambda: dst.copy_(src), device) for _ in range(repeats)]
+    return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
 
 
 def machine_info(device: torch.device) -> dict:
@@ -322,9 +389,11 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def measure(impl: str, seq_len: int, cfg: BenchConfig, predicted_s: Optional[float]) -> Row:
+def measure(impl: str, seq_len: int, cfg: BenchConfig, predicted_s: Optional[float],
+            ceilings: tuple[float, float] = (math.inf, math.inf)) -> Row:
     """One row: forward (and forward + backward) time, GFLOP/s, ratio to the matmul
-    GFLOP/s measured alongside, and peak memory."""
+    GFLOP/s measured alongside, peak memory, and the floor the ``ceilings`` (matmul
+    GFLOP/s, copy GB/s) put under the time."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     row = Row(impl, seq_len)
     if predicted_s is not None and predicted_s > cfg.max_seconds:
@@ -333,6 +402,11 @@ def measure(impl: str, seq_len: int, cfg: BenchConfig, predicted_s: Optional[flo
     (q, k, v, grad), fn, fn_with_grad, pairs = _workload(impl, seq_len, cfg)
     row.io_bytes = 4 * q.numel() * q.element_size()
     gflop = 4 * cfg.head_dim * pairs / 1e9
+    rate, bandwidth = ceilings
+    row.fwd_floor_ms = 1e3 * max(gflop / rate, row.io_bytes / 1e9 / bandwidth)
+    row.fwd_bwd_floor_ms = 1e3 * max(3.5 * gflop / rate, 3 * row.io_bytes / 1e9 / bandwidth)
+    if impl in ("mixture", "head_groups", "mixture-torch"):
+        row.kernels = fused.describe(q, kernel=impl.partition("-")[2] or None)
     track_memory = cfg.memory and PeakMemory.supported(device)
     if track_memory:
         with torch.no_grad(), PeakMemory(device) as peak:
@@ -384,7 +458,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     """Measure every implementation at every length, after the matmul reference."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     torch.manual_seed(0)
-    result = BenchResult(cfg, machine_info(device), matmul_gflops(device, dtype, cfg.matmul_size))
+    result = BenchResult(cfg, machine_info(device), matmul_gflops(device, dtype, cfg.matmul_size), copy_gbps(device))
     total = len(cfg.implementations) * len(cfg.seq_lens)
     last: dict[str, Row] = {}
     for impl in cfg.implementations:
@@ -397,7 +471,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
                 growth = (seq_len / prev.seq_len) ** (2 if impl == "dense" else 1)
                 per_call = (prev.fwd_bwd_ms or prev.fwd_ms) / 1e3 * growth
                 predicted = per_call * (cfg.repeats + 2)
-            row = measure(impl, seq_len, cfg, predicted)
+            row = measure(impl, seq_len, cfg, predicted, (result.matmul_gflops, result.copy_gbps))
             result.rows.append(row)
             last[impl] = row if row.fwd_ms is not None else prev
     if progress:
@@ -420,27 +494,29 @@ def format_table(result: BenchResult) -> str:
         f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}"
         f"{', causal' if cfg.is_causal else ''}",
         f"matmul reference: {result.matmul_gflops:.1f} GFLOP/s ({cfg.matmul_size} x {cfg.matmul_size} product, "
-        f"{cfg.dtype}, at the start)",
+        f"{cfg.dtype}, at the start); copy: {result.copy_gbps:.1f} GB/s (read + written)",
+        "floor = max(useful FLOPs / matmul rate, bytes of q, k, v, out (x3 with backward) / copy rate)",
         "ratio = useful GFLOP/s / matmul GFLOP/s, median of runs alternating with the matmul; "
         "mem = peak bytes a call adds (forward: output excluded) / bytes of q, k, v and output",
         "kernel = the fused kernel alone on one contiguous batch shaped like the first branch's work",
         "",
-        f"{'impl':11} {'N':>8} {'fwd ms':>9} {'tok/s':>9} {'GFLOP/s':>8} {'ratio':>6} "
-        f"{'f+b ms':>9} {'GFLOP/s':>8} {'ratio':>6} {'fwd mem':>8} {'f+b mem':>8}",
+        f"{'impl':13} {'N':>8} {'fwd ms':>9} {'floor':>8} {'tok/s':>9} {'GFLOP/s':>8} {'ratio':>6} "
+        f"{'f+b ms':>9} {'floor':>8} {'GFLOP/s':>8} {'ratio':>6} {'fwd mem':>8} {'f+b mem':>8}",
     ]
     for r in result.rows:
         if r.fwd_ms is None:
-            lines.append(f"{r.impl:11} {r.seq_len:>8} {r.note}")
+            lines.append(f"{r.impl:13} {r.seq_len:>8} {r.note}")
             continue
         tokens = cfg.batch * r.seq_len / (r.fwd_ms / 1e3)
         mem_f = None if r.fwd_peak_added_bytes is None else r.fwd_peak_added_bytes / r.io_bytes
         mem_fb = None if r.fwd_bwd_peak_added_bytes is None else r.fwd_bwd_peak_added_bytes / r.io_bytes
         lines.append(
-            f"{r.impl:11} {r.seq_len:>8} {r.fwd_ms:>9.1f} {tokens:>9.0f} {r.fwd_gflops:>8.1f} "
-            f"{r.fwd_ratio:>6.2f} {_fmt(r.fwd_bwd_ms, 9, 1)} {_fmt(r.fwd_bwd_gflops, 8, 1)} "
-            f"{_fmt(r.fwd_bwd_ratio, 6, 2)} {_fmt(mem_f, 8, 2)} {_fmt(mem_fb, 8, 2)}"
+            f"{r.impl:13} {r.seq_len:>8} {r.fwd_ms:>9.1f} {_fmt(r.fwd_floor_ms, 8, 2)} {tokens:>9.0f} "
+            f"{r.fwd_gflops:>8.1f} {r.fwd_ratio:>6.2f} {_fmt(r.fwd_bwd_ms, 9, 1)} {_fmt(r.fwd_bwd_floor_ms, 8, 2)} "
+            f"{_fmt(r.fwd_bwd_gflops, 8, 1)} {_fmt(r.fwd_bwd_ratio, 6, 2)} {_fmt(mem_f, 8, 2)} {_fmt(mem_fb, 8, 2)}"
         )
-    return "\n".join(lines)
+    kernels = sorted({f"{r.impl}: {r.kernels}" for r in result.rows if r.kernels})
+    return "\n".join(lines + ([""] + kernels if kernels else []))
 
 
 def to_json(result: BenchResult) -> dict:
@@ -448,6 +524,7 @@ def to_json(result: BenchResult) -> dict:
         "config": asdict(result.config),
         "machine": result.machine,
         "matmul_gflops": result.matmul_gflops,
+        "copy_gbps": result.copy_gbps,
         "rows": [asdict(r) for r in result.rows],
     }
 

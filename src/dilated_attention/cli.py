@@ -284,9 +284,11 @@ def _add_bench(sub) -> None:
     bench.add_argument("--causal", action="store_true",
                        help="queries attend only to keys at or before them (default: off)")
     impls = benchmark.IMPLEMENTATIONS
-    bench.add_argument("--impl", nargs="+", choices=impls, default=list(impls),
+    bench.add_argument("--impl", nargs="+", choices=benchmark.ALL_IMPLEMENTATIONS, default=list(impls),
                        help="implementations to measure: dense is PyTorch SDPA, kernel the fused kernel alone, "
-                       f"mixture and head_groups the library (default: {' '.join(impls)})")
+                       "mixture and head_groups the library (the fused Triton kernels where they apply), "
+                       "mixture-torch the library on PyTorch's kernels, flex PyTorch's FlexAttention computing the "
+                       f"same mixture (default: {' '.join(impls)})")
     bench.add_argument("--repeats", type=positive_int, default=3,
                        help="timed runs per measurement, of which the median counts (default: 3)")
     bench.add_argument("--max-seconds", type=positive_float, default=60.0,

@@ -67,14 +67,14 @@ def _dot(a, b, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(pid, key_start, first_query, ROW_STEP: tl.constexpr, BLOCK: tl.constexpr):
+def _tile_rows(pid, key_start, first_query, row_step, BLOCK: tl.constexpr):
     """The key-row coordinates (int32 ``(BLOCK,)``) of the rows tile ``pid`` owns:
-    positions ``c, c + ROW_STEP, ...`` of the ``pid // ROW_STEP``-th aligned span of
-    ``ROW_STEP * BLOCK`` positions from the one holding key row ``first_query``,
-    ``c = pid % ROW_STEP`` (the tile's class)."""
-    span = ROW_STEP * BLOCK
-    base = ((key_start + first_query) // span + pid // ROW_STEP) * span + pid % ROW_STEP
-    return (base - key_start).to(tl.int32) + ROW_STEP * tl.arange(0, BLOCK)
+    positions ``c, c + row_step, ...`` of the ``pid // row_step``-th aligned span of
+    ``row_step * BLOCK`` positions from the one holding key row ``first_query``,
+    ``c = pid % row_step`` (the tile's class)."""
+    span = row_step * BLOCK
+    base = ((key_start + first_query) // span + pid // row_step) * span + pid % row_step
+    return (base - key_start).to(tl.int32) + row_step * tl.arange(0, BLOCK)
 
 
 @triton.jit
@@ -89,13 +89,13 @@ def _segment(s, seg_len, key_start, num_keys):
 
 
 @triton.jit
-def _branch(SEG, RATE, OFFSET, g, h, key_start, lo, hi, BRANCHES: tl.constexpr):
+def _branch(SEG, RATE, OFFSET, g, h, key_start, lo, hi, branches):
     """Branch ``g`` as head ``h`` runs it over the key rows ``lo .. hi``: its segment
     length, rate and the head's offset, and the first and number of its segments
     those rows touch (none where the head does not run the branch, or no row)."""
     seg_len = tl.load(SEG + g)
     rate = tl.load(RATE + g)
-    offset = tl.load(OFFSET + h * BRANCHES + g)
+    offset = tl.load(OFFSET + h * branches + g)
     seg_first = (key_start + tl.maximum(lo, 0)) // seg_len
     seg_count = ((key_start + tl.maximum(hi, 0)) // seg_len - seg_first + 1).to(tl.int32)
     return seg_len, rate, offset, seg_first, tl.where((offset >= 0) & (hi >= lo), seg_count, 0)
@@ -112,18 +112,17 @@ def _selection(rows, row_ok, s, seg_len, rate, offset, key_start, num_keys):
 
 
 @triton.jit
-def _load_rows(ptr, rows, row_stride, ok, dims, ROW_MASK: tl.constexpr, DIM_MASK: tl.constexpr,
-               HEAD_DIM: tl.constexpr):
-    """A ``(len(rows), DIM_BLOCK)`` tile of rows ``rows`` (int32) of a ``(rows, HEAD_DIM)``
+def _load_rows(ptr, rows, row_stride, ok, dims, head_dim, ROW_MASK: tl.constexpr, DIM_MASK: tl.constexpr):
+    """A ``(len(rows), DIM_BLOCK)`` tile of rows ``rows`` (int32) of a ``(rows, head_dim)``
     view at ``ptr``: 0 where ``ok`` is false (``ROW_MASK``) or past the head dim
     (``DIM_MASK``); unmasked loads where neither can happen."""
     offsets = rows.to(tl.int64)[:, None] * row_stride + dims[None, :]
     if ROW_MASK and DIM_MASK:
-        return tl.load(ptr + offsets, mask=ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+        return tl.load(ptr + offsets, mask=ok[:, None] & (dims < head_dim)[None, :], other=0.0)
     elif ROW_MASK:
         return tl.load(ptr + offsets, mask=ok[:, None], other=0.0)
     elif DIM_MASK:
-        return tl.load(ptr + offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        return tl.load(ptr + offsets, mask=(dims < head_dim)[None, :], other=0.0)
     else:
         return tl.load(ptr + offsets)
 
@@ -131,17 +130,16 @@ def _load_rows(ptr, rows, row_stride, ok, dims, ROW_MASK: tl.constexpr, DIM_MASK
 @triton.jit
 def _query_step(
     q, do, acc, m_i, l_i, reached, rows, selected, lse_log2, delta, k_base, v_base, pad_base, key_rows, key_ok,
-    sk_n, sv_n, sp_n, dims, scale_log2, out_scale,
-    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_PADDING: tl.constexpr, CHECK_FINITE: tl.constexpr, BACKWARD: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    sk_n, sv_n, sp_n, dims, head_dim, scale_log2, out_scale,
+    MASKED: tl.constexpr, DIM_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_PADDING: tl.constexpr,
+    CHECK_FINITE: tl.constexpr, BACKWARD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One tile of keys for a program's query rows: the online softmax update of
     ``acc, m_i, l_i`` (forward) or ``acc += dS K`` (``BACKWARD``, the dq pass). With
     ``MASKED`` the row selection, the key range, padding and causality apply and
     non-finite keys are found; without, every (row, key) pair of the tile attends."""
-    k = _load_rows(k_base, key_rows, sk_n, key_ok, dims, MASKED, DIM_MASK, HEAD_DIM)
-    v = _load_rows(v_base, key_rows, sv_n, key_ok, dims, MASKED, DIM_MASK, HEAD_DIM)
+    k = _load_rows(k_base, key_rows, sk_n, key_ok, dims, head_dim, MASKED, DIM_MASK)
+    v = _load_rows(v_base, key_rows, sv_n, key_ok, dims, head_dim, MASKED, DIM_MASK)
     allowed = selected[:, None]
     if MASKED:
         if HAS_PADDING:
@@ -184,10 +182,10 @@ def _query_step(
 def _forward_kernel(
     Q, K, V, PAD, OUT, LSE, DQ, DO, DELTA, KEY_START, SEG, RATE, OFFSET,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sp_b, sp_n, so_b, so_n, so_h, sl_b, sl_n, sl_h,
-    num_queries, num_keys, num_heads, group_size, scale_log2, scale, out_scale,
-    HEAD_DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BRANCHES: tl.constexpr, ROW_STEP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_PADDING: tl.constexpr,
-    CHECK_FINITE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BACKWARD: tl.constexpr,
+    num_queries, num_keys, num_heads, group_size, scale_log2, scale, out_scale, head_dim, branches, row_step,
+    DIM_BLOCK: tl.constexpr, DIM_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PADDING: tl.constexpr, CHECK_FINITE: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, BACKWARD: tl.constexpr,
 ):
     """Forward: ``OUT``, ``LSE`` of the rows this program owns. With ``BACKWARD``, the
     dq pass instead: ``DQ`` of those rows, given ``DO``, the merged ``LSE`` and
@@ -197,7 +195,6 @@ def _forward_kernel(
     Per branch and segment, the keys' tiles split in two loops: first those every
     row of the tile attends in full (no mask, no bounds: the fast path of a segment
     interior), then the rest, masked."""
-    DIM_MASK: tl.constexpr = HEAD_DIM != DIM_BLOCK
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // num_heads).to(tl.int64)
@@ -205,12 +202,12 @@ def _forward_kernel(
     kv_h = h // group_size
     key_start = tl.load(KEY_START + b)
     first_query = num_keys - num_queries  # the key row of query row 0
-    rows = _tile_rows(pid, key_start, first_query, ROW_STEP, BLOCK_M)
+    rows = _tile_rows(pid, key_start, first_query, row_step, BLOCK_M)
     row_ok = (rows >= first_query) & (rows < num_keys)
     query_rows = rows - first_query
     dims = tl.arange(0, DIM_BLOCK)
 
-    q = _load_rows(Q + b * sq_b + h * sq_h, query_rows, sq_n, row_ok, dims, True, DIM_MASK, HEAD_DIM)
+    q = _load_rows(Q + b * sq_b + h * sq_h, query_rows, sq_n, row_ok, dims, head_dim, True, DIM_MASK)
     q_bad = tl.zeros([BLOCK_M], dtype=tl.int1)
     if CHECK_FINITE:
         q_bad = _nonfinite_rows(q) & row_ok
@@ -228,7 +225,7 @@ def _forward_kernel(
         # Rows with no key (-inf) or reached by a non-finite value (NaN) pass no gradient.
         lse_log2 = tl.where((lse != lse) | (lse == float("-inf")), float("inf"), lse * 1.4426950408889634)
         delta = tl.load(DELTA + row_offsets, mask=row_ok, other=0.0)
-        do = _load_rows(DO + b * so_b + h * so_h, query_rows, so_n, row_ok, dims, True, DIM_MASK, HEAD_DIM)
+        do = _load_rows(DO + b * so_b + h * so_h, query_rows, so_n, row_ok, dims, head_dim, True, DIM_MASK)
         if CHECK_FINITE:
             do = tl.where((lse != lse)[:, None], 0.0, do)
 
@@ -237,8 +234,8 @@ def _forward_kernel(
     k_base = K + b * sk_b + kv_h * sk_h
     v_base = V + b * sv_b + kv_h * sv_h
     pad_base = PAD + b * sp_b
-    for g in tl.static_range(BRANCHES):
-        seg_len, rate, offset, seg_first, seg_count = _branch(SEG, RATE, OFFSET, g, h, key_start, lo, hi, BRANCHES)
+    for g in range(0, branches):
+        seg_len, rate, offset, seg_first, seg_count = _branch(SEG, RATE, OFFSET, g, h, key_start, lo, hi, branches)
         for si in range(0, seg_count):
             start, stop, step, selected, chosen = _selection(rows, row_ok, seg_first + si, seg_len, rate, offset,
                                                              key_start, num_keys)
@@ -257,7 +254,7 @@ def _forward_kernel(
                     key_rows = start + offset + step * (j0 + tl.arange(0, BLOCK_N))
                     acc, m_i, l_i, reached = _query_step(
                         q, do, acc, m_i, l_i, reached, rows, selected, lse_log2, delta, k_base, v_base, pad_base,
-                        key_rows, selected, sk_n, sv_n, sp_n, dims, scale_log2, out_scale, False, HEAD_DIM,
+                        key_rows, selected, sk_n, sv_n, sp_n, dims, head_dim, scale_log2, out_scale, False,
                         DIM_MASK, CAUSAL, HAS_PADDING, CHECK_FINITE, BACKWARD, DOT_FP32, PRECISION,
                     )
                 for j0 in range(free, count, BLOCK_N):
@@ -265,12 +262,12 @@ def _forward_kernel(
                     key_rows = start + offset + step * tl.minimum(j, count - 1)
                     acc, m_i, l_i, reached = _query_step(
                         q, do, acc, m_i, l_i, reached, rows, selected, lse_log2, delta, k_base, v_base, pad_base,
-                        key_rows, j < count, sk_n, sv_n, sp_n, dims, scale_log2, out_scale, True, HEAD_DIM,
+                        key_rows, j < count, sk_n, sv_n, sp_n, dims, head_dim, scale_log2, out_scale, True,
                         DIM_MASK, CAUSAL, HAS_PADDING, CHECK_FINITE, BACKWARD, DOT_FP32, PRECISION,
                     )
 
     out_offsets = query_rows.to(tl.int64)[:, None] * so_n + dims[None, :]
-    out_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    out_mask = row_ok[:, None] & (dims < head_dim)[None, :]
     if BACKWARD:
         tl.store(DQ + b * so_b + h * so_h + out_offsets, (acc * scale).to(DQ.dtype.element_ty), mask=out_mask)
     else:
@@ -288,16 +285,16 @@ def _forward_kernel(
 @triton.jit
 def _key_step(
     k, v, dk, dv, rows, selected, q_base, do_base, lse_base, delta_base, query_rows, q_ok, first_query,
-    sq_n, so_n, sl_n, dims, scale_log2, out_scale,
-    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    CHECK_FINITE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    sq_n, so_n, sl_n, dims, head_dim, scale_log2, out_scale,
+    MASKED: tl.constexpr, DIM_MASK: tl.constexpr, CAUSAL: tl.constexpr, CHECK_FINITE: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One tile of queries for a program's key rows: ``dv += P^T dO``, ``dk += dS^T Q``
     (unscaled). With ``MASKED`` the key selection, the query range and causality
     apply; without, every (key, query) pair of the tile attends (padded and non-finite
     keys need no mask here: their rows' gradients are set to 0 when stored)."""
-    q = _load_rows(q_base, query_rows, sq_n, q_ok, dims, MASKED, DIM_MASK, HEAD_DIM)
-    do = _load_rows(do_base, query_rows, so_n, q_ok, dims, MASKED, DIM_MASK, HEAD_DIM)
+    q = _load_rows(q_base, query_rows, sq_n, q_ok, dims, head_dim, MASKED, DIM_MASK)
+    do = _load_rows(do_base, query_rows, so_n, q_ok, dims, head_dim, MASKED, DIM_MASK)
     row_offsets = query_rows.to(tl.int64) * sl_n
     if MASKED:
         lse = tl.load(lse_base + row_offsets, mask=q_ok, other=0.0)
@@ -326,27 +323,26 @@ def _key_grads_kernel(
     Q, K, V, PAD, LSE, DO, DELTA, DK, DV, KEY_START, SEG, RATE, OFFSET,
     sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sp_b, sp_n, so_b, so_n, so_h, sl_b, sl_n, sl_h,
     sdk_b, sdk_n, sdk_h, sdv_b, sdv_n, sdv_h,
-    num_queries, num_keys, num_kv_heads, group_size, scale_log2, scale, out_scale,
-    HEAD_DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BRANCHES: tl.constexpr, ROW_STEP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_PADDING: tl.constexpr,
-    CHECK_FINITE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    num_queries, num_keys, num_kv_heads, group_size, scale_log2, scale, out_scale, head_dim, branches, row_step,
+    DIM_BLOCK: tl.constexpr, DIM_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_PADDING: tl.constexpr, CHECK_FINITE: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """``DK``, ``DV`` of the key rows this program owns (one batch row and key head),
     summed over every branch and every query head sharing the key head. Per branch
     and segment the query tiles split in three loops: masked ones up to where every
     query follows every owned key, unmasked whole tiles, a masked last one."""
-    DIM_MASK: tl.constexpr = HEAD_DIM != DIM_BLOCK
     pid = tl.program_id(0)
     bkh = tl.program_id(1)
     b = (bkh // num_kv_heads).to(tl.int64)
     kv_h = bkh % num_kv_heads
     key_start = tl.load(KEY_START + b)
     first_query = num_keys - num_queries
-    rows = _tile_rows(pid, key_start, 0, ROW_STEP, BLOCK_N)
+    rows = _tile_rows(pid, key_start, 0, row_step, BLOCK_N)
     row_ok = (rows >= 0) & (rows < num_keys)
     dims = tl.arange(0, DIM_BLOCK)
-    k = _load_rows(K + b * sk_b + kv_h * sk_h, rows, sk_n, row_ok, dims, True, DIM_MASK, HEAD_DIM)
-    v = _load_rows(V + b * sv_b + kv_h * sv_h, rows, sv_n, row_ok, dims, True, DIM_MASK, HEAD_DIM)
+    k = _load_rows(K + b * sk_b + kv_h * sk_h, rows, sk_n, row_ok, dims, head_dim, True, DIM_MASK)
+    v = _load_rows(V + b * sv_b + kv_h * sv_h, rows, sv_n, row_ok, dims, head_dim, True, DIM_MASK)
     key_ok = row_ok  # the keys whose gradients are kept: not padded, finite
     if HAS_PADDING:
         padded = tl.load(PAD + b * sp_b + rows.to(tl.int64) * sp_n, mask=row_ok, other=1)
@@ -365,9 +361,9 @@ def _key_grads_kernel(
         do_base = DO + b * so_b + h * so_h
         lse_base = LSE + b * sl_b + h * sl_h
         delta_base = DELTA + b * sl_b + h * sl_h
-        for g in tl.static_range(BRANCHES):
+        for g in range(0, branches):
             seg_len, rate, offset, seg_first, seg_count = _branch(SEG, RATE, OFFSET, g, h, key_start, lo, hi,
-                                                                  BRANCHES)
+                                                                  branches)
             for si in range(0, seg_count):
                 start, stop, step, selected, chosen = _selection(rows, row_ok, seg_first + si, seg_len, rate, offset,
                                                                  key_start, num_keys)
@@ -391,7 +387,7 @@ def _key_grads_kernel(
                         query_rows = start + offset + step * (j0 + tl.arange(0, BLOCK_M)) - first_query
                         dk, dv = _key_step(
                             k, v, dk, dv, rows, selected, q_base, do_base, lse_base, delta_base, query_rows,
-                            selected, first_query, sq_n, so_n, sl_n, dims, scale_log2, out_scale, False, HEAD_DIM,
+                            selected, first_query, sq_n, so_n, sl_n, dims, head_dim, scale_log2, out_scale, False,
                             DIM_MASK, CAUSAL, CHECK_FINITE, DOT_FP32, PRECISION,
                         )
                     # The masked tiles: those before the free ones (the diagonal), then the last one.
@@ -403,10 +399,10 @@ def _key_grads_kernel(
                         query_rows = start + offset + step * tl.minimum(j, j_stop - 1) - first_query
                         dk, dv = _key_step(
                             k, v, dk, dv, rows, selected, q_base, do_base, lse_base, delta_base, query_rows,
-                            j < j_stop, first_query, sq_n, so_n, sl_n, dims, scale_log2, out_scale, True, HEAD_DIM,
+                            j < j_stop, first_query, sq_n, so_n, sl_n, dims, head_dim, scale_log2, out_scale, True,
                             DIM_MASK, CAUSAL, CHECK_FINITE, DOT_FP32, PRECISION,
                         )
-    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    mask = row_ok[:, None] & (dims < head_dim)[None, :]
     kept = key_ok[:, None]
     rows64 = rows.to(tl.int64)[:, None]
     tl.store(DK + b * sdk_b + kv_h * sdk_h + rows64 * sdk_n + dims[None, :],
@@ -417,8 +413,8 @@ def _key_grads_kernel(
 
 @triton.jit
 def _delta_kernel(
-    DO, OUT, DLSE, LSE, DELTA, so_b, so_n, so_h, sl_b, sl_n, sl_h, num_queries, num_heads, rows_total,
-    HEAD_DIM: tl.constexpr, DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr,
+    DO, OUT, DLSE, LSE, DELTA, so_b, so_n, so_h, sl_b, sl_n, sl_h, num_queries, num_heads, rows_total, head_dim,
+    DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     """``DELTA = rowsum(DO * OUT) - DLSE`` per (batch row, query, head), 0 on rows that
     attend to nothing or that a non-finite value reached (they pass no gradient)."""
@@ -428,7 +424,7 @@ def _delta_kernel(
     i = (index // num_heads) % num_queries
     h = index % num_heads
     dims = tl.arange(0, DIM_BLOCK)
-    mask = ok[:, None] & (dims < HEAD_DIM)[None, :]
+    mask = ok[:, None] & (dims < head_dim)[None, :]
     offsets = (b * so_b + i * so_n + h * so_h)[:, None] + dims[None, :]
     do = tl.load(DO + offsets, mask=mask, other=0.0).to(tl.float32)
     out = tl.load(OUT + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -441,32 +437,51 @@ def _delta_kernel(
     tl.store(DELTA + row, delta, mask=ok)
 
 
+# Tile configurations per pass and head dim, ``(BLOCK_M, BLOCK_N, num_warps,
+# num_stages)``, first the one used without tuning. Chosen from the compiler's resource
+# report for sm_90 (Triton 3.6, ``benchmarks/triton_compile.py``): the fewest register
+# spills first; a tile's accumulators are ``BLOCK x head_dim`` float32 (two of them in
+# the dk/dv pass, whose ``BLOCK_N`` is its own key rows), so wide heads take small tiles.
+GPU_CONFIGS = {
+    64: {
+        "forward": [(128, 64, 8, 3), (64, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+        "dq": [(64, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)],
+        "keys": [(32, 32, 4, 3), (16, 64, 4, 3), (32, 64, 4, 3), (32, 128, 8, 3)],
+        "decode": [(DECODE_ROWS, 32, 4, 3), (DECODE_ROWS, 128, 8, 3)],
+    },
+    128: {
+        "forward": [(128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3), (128, 64, 8, 3)],
+        "dq": [(32, 64, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3)],
+        "keys": [(32, 32, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3)],
+        "decode": [(DECODE_ROWS, 32, 4, 3), (DECODE_ROWS, 64, 4, 3)],
+    },
+    256: {
+        "forward": [(64, 32, 8, 2), (32, 32, 4, 2)],
+        "dq": [(32, 32, 4, 2), (64, 32, 8, 2)],
+        "keys": [(16, 32, 4, 2), (32, 32, 8, 2)],
+        "decode": [(DECODE_ROWS, 32, 4, 2)],
+    },
+}
+# Set to 0 to run each pass with its first configuration instead of autotuning (a
+# process that compiles many variants once, such as a test run, saves most of its time).
+TUNE_ENV = "DILATED_ATTENTION_TRITON_TUNE"
+
+
 def gpu_configs(kind: str, head_dim: int) -> list[tuple[int, int, int, int]]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` the autotuner tries on a GPU for
-    ``kind`` (``"forward"``: the forward and dq passes, ``"keys"``: dk/dv, ``"decode"``:
-    a few query rows) at ``head_dim``; a tile's accumulator is ``BLOCK x head_dim``
-    float32, so wide heads take narrower tiles."""
-    if kind == "decode":
-        return [(DECODE_ROWS, 64, 4, 3), (DECODE_ROWS, 128, 4, 3)] if head_dim <= 128 else [(DECODE_ROWS, 64, 4, 2)]
-    if head_dim <= 64:
-        return [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 4)]
-    if head_dim <= 128:
-        return [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)]
-    return [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)]
+    """The configurations of pass ``kind`` (``forward``, ``dq``, ``keys``: dk/dv,
+    ``decode``: a few query rows) at ``head_dim``, the first the default."""
+    return GPU_CONFIGS[min(width for width in GPU_CONFIGS if width >= head_dim)][kind]
 
 
 def _tuned(kernel, kind: str, key: list[str]):
-    """``kernel`` autotuned over :func:`gpu_configs` per head dim bucket (the head dim
-    is in ``key``); under the interpreter, ``None`` (fixed small tiles)."""
+    """``kernel`` autotuned over :func:`gpu_configs` (its ``DIM_BLOCK`` picks the list);
+    ``None`` under the interpreter."""
     if INTERPRETED:
         return None
-    configs = {
-        (block_m, block_n, warps, stages)
-        for head_dim in (64, 128, 256) for block_m, block_n, warps, stages in gpu_configs(kind, head_dim)
-    }
+    configs = {config for lists in GPU_CONFIGS.values() for config in lists[kind]}
 
     def prune(configs, named_args, **kwargs):
-        wanted = set(gpu_configs(kind, named_args["HEAD_DIM"] if "HEAD_DIM" in named_args else kwargs["HEAD_DIM"]))
+        wanted = set(gpu_configs(kind, {**named_args, **kwargs}["DIM_BLOCK"]))
         return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in wanted]
 
     return triton.autotune(
@@ -475,10 +490,13 @@ def _tuned(kernel, kind: str, key: list[str]):
     )(kernel)
 
 
-_TUNING_KEY = ["HEAD_DIM", "BRANCHES", "ROW_STEP", "CAUSAL", "HAS_PADDING", "CHECK_FINITE", "BACKWARD"]
-_forward_tuned = _tuned(_forward_kernel, "forward", _TUNING_KEY)
-_decode_tuned = _tuned(_forward_kernel, "decode", _TUNING_KEY)
-_key_grads_tuned = _tuned(_key_grads_kernel, "keys", _TUNING_KEY[:-1])
+_TUNING_KEY = ["DIM_BLOCK", "DIM_MASK", "CAUSAL", "HAS_PADDING", "CHECK_FINITE", "BACKWARD"]
+_TUNED = {
+    "forward": _tuned(_forward_kernel, "forward", _TUNING_KEY),
+    "dq": _tuned(_forward_kernel, "dq", _TUNING_KEY),
+    "decode": _tuned(_forward_kernel, "decode", _TUNING_KEY),
+    "keys": _tuned(_key_grads_kernel, "keys", _TUNING_KEY[:-1]),
+}
 
 
 class Launch:
@@ -498,10 +516,13 @@ class Launch:
         pad = None if padding is None else padding.view(torch.uint8)
         # Without padding the pointer is never read: any tensor serves.
         self.pad = (self.key_start, 0, 0) if pad is None else (pad, *pad.stride())
+        # Run-time sizes (one compiled kernel serves them all), then the compile-time flags.
+        self.sizes = (dim, len(table.segment_lengths), self.row_step)
+        dim_block = max(16, triton.next_power_of_2(dim))
         self.flags = dict(
-            HEAD_DIM=dim, DIM_BLOCK=max(16, triton.next_power_of_2(dim)), BRANCHES=len(table.segment_lengths),
-            ROW_STEP=self.row_step, CAUSAL=is_causal, HAS_PADDING=padding is not None, CHECK_FINITE=check_finite,
-            DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DIM_BLOCK=dim_block, DIM_MASK=dim != dim_block, CAUSAL=is_causal, HAS_PADDING=padding is not None,
+            CHECK_FINITE=check_finite, DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
 
     def tiles(self, first_row: int, rows: int, block: int) -> int:
@@ -522,14 +543,21 @@ class Launch:
         """The dk/dv pass's grid: key tiles x (batch row, key head)."""
         return self.tiles(0, self.num_keys, meta["BLOCK_N"]), self.batch * self.num_kv_heads
 
-    def run(self, raw, tuned, grid, *args, **constexprs) -> None:
-        """``raw`` with the interpreter's small fixed tiles, or on a GPU ``tuned`` (its
-        autotuner picks ``BLOCK_M``, ``BLOCK_N``, warps and stages)."""
-        if tuned is None:
+    def run(self, kernel, kind: str, grid, *args, **constexprs) -> None:
+        """Launch ``kernel`` for pass ``kind``: with the interpreter's small fixed tiles;
+        on a GPU autotuned over :func:`gpu_configs` (its autotuner picks ``BLOCK_M``,
+        ``BLOCK_N``, warps and stages), or with the first of them where ``$TUNE_ENV``
+        is 0."""
+        args = (*args, *self.sizes)
+        if INTERPRETED:
             meta = {"BLOCK_M": 16, "BLOCK_N": 16}
-            raw[grid(meta)](*args, **meta, **self.flags, **constexprs)
+            kernel[grid(meta)](*args, **meta, **self.flags, **constexprs)
+        elif os.environ.get(TUNE_ENV, "1") == "0":
+            block_m, block_n, warps, stages = gpu_configs(kind, self.flags["DIM_BLOCK"])[0]
+            meta = {"BLOCK_M": block_m, "BLOCK_N": block_n}
+            kernel[grid(meta)](*args, **meta, **self.flags, **constexprs, num_warps=warps, num_stages=stages)
         else:
-            tuned[grid](*args, **self.flags, **constexprs)
+            _TUNED[kind][grid](*args, **self.flags, **constexprs)
 
 
 @torch.no_grad()
@@ -542,7 +570,7 @@ def forward(q, k, v, padding, key_starts, table: BranchTable, is_causal: bool, s
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     launch.run(
-        _forward_kernel, _decode_tuned if launch.decode else _forward_tuned, launch.query_grid,
+        _forward_kernel, "decode" if launch.decode else "forward", launch.query_grid,
         q, k, v, launch.pad[0], out, lse, out, out, lse, launch.key_start, launch.seg, launch.rate, launch.offset,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *launch.pad[1:], *out.stride()[:3], *lse.stride(),
         launch.num_queries, launch.num_keys, launch.num_heads, launch.group_size, scale * LOG2E, scale, out_scale,
@@ -566,7 +594,7 @@ def backward(dout, q, k, v, out, lse, dlse, padding, key_starts, table: BranchTa
     rows, block = lse.numel(), 16
     _delta_kernel[(triton.cdiv(rows, block),)](
         dout, out, lse if dlse is None else dlse, lse, delta, *out.stride()[:3], *lse.stride(), launch.num_queries,
-        launch.num_heads, rows, HEAD_DIM=q.shape[-1], DIM_BLOCK=launch.flags["DIM_BLOCK"], BLOCK=block,
+        launch.num_heads, rows, q.shape[-1], DIM_BLOCK=launch.flags["DIM_BLOCK"], BLOCK=block,
         HAS_DLSE=dlse is not None,
     )
     dq = torch.empty_strided(q.shape, out.stride(), dtype=q.dtype, device=q.device)  # written with out's strides
@@ -576,12 +604,12 @@ def backward(dout, q, k, v, out, lse, dlse, padding, key_starts, table: BranchTa
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *launch.pad[1:], *out.stride()[:3], *lse.stride())
     scales = (scale * LOG2E, scale, out_scale)
     launch.run(
-        _forward_kernel, _decode_tuned if launch.decode else _forward_tuned, launch.query_grid,
+        _forward_kernel, "decode" if launch.decode else "dq", launch.query_grid,
         *common, out, lse, dq, dout, delta, launch.key_start, launch.seg, launch.rate, launch.offset, *strides,
         launch.num_queries, launch.num_keys, launch.num_heads, launch.group_size, *scales, BACKWARD=True,
     )
     launch.run(
-        _key_grads_kernel, _key_grads_tuned, launch.key_grid,
+        _key_grads_kernel, "keys", launch.key_grid,
         *common, lse, dout, delta, dk, dv, launch.key_start, launch.seg, launch.rate, launch.offset, *strides,
         *dk.stride()[:3], *dv.stride()[:3], launch.num_queries, launch.num_keys, launch.num_kv_heads,
         launch.group_size, *scales,
