@@ -73,21 +73,28 @@ def test_cuda_dropout_is_unbiased(dtype):
     assert max_relative_error(mean, plain) <= 0.1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_cache_decoding_equals_the_whole_sequence(dtype):
-    (q, k, v), _, _ = random_inputs(9, 2, 53, 4, 16)
-    whole, _ = reference_dilated_attention(q, k, v, [4, 8, 16], [1, 2, 4], is_causal=True)
-    cache = DilatedKVCache(2, 4, 16, [4, 8, 16], [1, 2, 4], dtype=dtype, device="cuda")
+def decode_against_the_whole_sequence(shape, segment_lengths, chunks, dtype):
+    """Feed random ``(B, N, H, D)`` inputs through a CUDA cache in ``chunks`` (sizes
+    summing to ``N``): the reference's causal rows of the whole sequence."""
+    (q, k, v), _, _ = random_inputs(9, *shape)
+    whole, _ = reference_dilated_attention(q, k, v, segment_lengths, [1, 2, 4], is_causal=True)
+    cache = DilatedKVCache(shape[0], *shape[2:], segment_lengths, [1, 2, 4], dtype=dtype, device="cuda")
     pieces, start = [], 0
-    for size in (13, 1, 1, 7, 1, 30):
+    for size in chunks:
         rows = slice(start, start + size)
         pieces.append(cache.attend(*(t.detach()[:, rows].to("cuda", dtype) for t in (q, k, v))))
         start += size
     assert max_relative_error(torch.cat(pieces, 1).cpu(), whole) <= TOLERANCES[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_cache_decoding_equals_the_whole_sequence(dtype):
+    decode_against_the_whole_sequence((2, 53, 4, 16), [4, 8, 16], (13, 1, 1, 7, 1, 30), dtype)
+
+
 # The fused Triton kernels on the GPU (their interpreter tests run everywhere: test_triton.py).
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+
 LOW = [torch.bfloat16, torch.float16]
 
 
@@ -142,15 +149,7 @@ def test_triton_cuda_windows_and_non_finite_values():
 @pytest.mark.parametrize("dtype", LOW)
 def test_triton_cuda_decoding_equals_the_whole_sequence(dtype, monkeypatch):
     monkeypatch.setenv("DILATED_ATTENTION_KERNEL", "triton")
-    (q, k, v), _, _ = random_inputs(9, 3, 150, 8, 64)
-    whole, _ = reference_dilated_attention(q, k, v, [16, 32, 64], [1, 2, 4], is_causal=True)
-    cache = DilatedKVCache(3, 8, 64, [16, 32, 64], [1, 2, 4], dtype=dtype, device="cuda")
-    pieces, start = [], 0
-    for size in (37, 1, 1, 16, 1, 94):
-        rows = slice(start, start + size)
-        pieces.append(cache.attend(*(t.detach()[:, rows].to("cuda", dtype) for t in (q, k, v))))
-        start += size
-    assert max_relative_error(torch.cat(pieces, 1).cpu(), whole) <= TOLERANCES[dtype]
+    decode_against_the_whole_sequence((3, 150, 8, 64), [16, 32, 64], (37, 1, 1, 16, 1, 94), dtype)
 
 
 def test_auto_runs_the_fused_kernels_on_cuda_for_half_precision():
