@@ -54,13 +54,12 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict:
     return types
 
 
-def variants(head_dims, dtypes, all_configs: bool = False):
+def variants(head_dims, dtypes, all_configs: bool = False, quick: bool = False):
     """``(name, kernel, dtype, constexprs, num_warps, num_stages)`` of every kernel and
     tile configuration the library's autotuner may launch on a GPU, per head dim and
-    dtype."""
-    for head_dim, dtype, causal, padding, check in itertools.product(
-        head_dims, dtypes, (False, True), (False, True), (False, True)
-    ):
+    dtype (``quick``: causal without padding or checks only)."""
+    flag_sets = [(True, False, False)] if quick else list(itertools.product((False, True), repeat=3))
+    for head_dim, dtype, (causal, padding, check) in itertools.product(head_dims, dtypes, flag_sets):
         dim_block = max(16, triton.next_power_of_2(head_dim))
         flags = dict(DIM_BLOCK=dim_block, DIM_MASK=dim_block != head_dim, CAUSAL=causal, HAS_PADDING=padding,
                      CHECK_FINITE=check, DOT_FP32=False, PRECISION="ieee" if dtype == "fp32" else "tf32")
@@ -102,6 +101,8 @@ def main(argv=None) -> int:
                         help="input dtypes (default: bfloat16)")
     parser.add_argument("--all-configs", action="store_true",
                         help="every tile configuration the autotuner tries (default: the first of each pass)")
+    parser.add_argument("--quick", action="store_true",
+                        help="causal calls without padding or non-finite checks only (default: every flag set)")
     parser.add_argument("--out", help="JSON file to write the results to (default: none)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     rows, failures = [], 0
     for capability in args.capability:
         for name, kernel, dtype, constexprs, warps, stages in variants(
-            args.head_dims, [DTYPES[d] for d in args.dtypes], args.all_configs
+            args.head_dims, [DTYPES[d] for d in args.dtypes], args.all_configs, args.quick
         ):
             started = time.perf_counter()
             try:

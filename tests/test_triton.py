@@ -205,3 +205,32 @@ def test_check_says_which_kernels_ran(capsys):
     assert "kernels: torch (CpuFlashKernel on each block of the plan)" in capsys.readouterr().out
     described = fused.describe(torch.empty(1, 1, 1, 16), kernel="triton")
     assert described == "triton (the fused kernels: every branch in one launch in Triton's interpreter)"
+
+
+def test_the_kernels_compile_for_the_gpus_they_target():
+    """The interpreter runs what the GPU compiler may refuse: compile each pass for
+    sm_90 (Triton's bundled ptxas, no GPU needed), in a process without the interpreter."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "triton_compile.py")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, script, "--capability", "90", "--head-dims", "64", "--quick"],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "5 of 5 variants compiled" in result.stdout
+
+
+def test_compiled_calls_take_the_engine_path():
+    """Under torch.compile the fused kernels' launch (host values, lazily imported
+    kernels) is not traced: auto takes PyTorch's kernels, a forced choice is refused."""
+    q = torch.randn(1, 12, 2, 16)
+
+    def auto(q):
+        return dilated_attention(q, q, q, [4, 8], [1, 2], is_causal=True)
+
+    compiled = torch.compile(auto, backend="eager", fullgraph=True)
+    assert torch.allclose(compiled(q), auto(q), atol=1e-6)
+    forced = torch.compile(lambda q: dilated_attention(q, q, q, [4], [1], kernel="triton"), backend="eager")
+    with pytest.raises(Exception, match="under torch.compile and CUDA graph capture"):
+        forced(q)

@@ -8,8 +8,8 @@ The choice, per call: the ``kernel`` argument of
 ``DILATED_ATTENTION_KERNEL``, else ``"auto"``:
 
 - ``"auto"``: the Triton kernels on CUDA for float16 and bfloat16 inputs with head
-  dims 16 to 256, without dropout and on one process, when Triton is importable;
-  PyTorch's kernels for everything else;
+  dims 16 to 256, without dropout and on one process, when Triton is importable and
+  the call is not being compiled or captured; PyTorch's kernels for everything else;
 - ``"triton"``: the Triton kernels, or a ``ValueError`` saying why they cannot run
   this call (never a silent fallback). They also take float32 (exact dots, no TF32)
   and any head dim up to 256; on the CPU they run in Triton's interpreter, which
@@ -51,6 +51,8 @@ def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> Option
     """Why the Triton kernels cannot run a call on ``q`` ``(B, L, H, D)``, or ``None``."""
     if dropout > 0:
         return "dropout is not fused (its masks are the library's position-keyed ones): use dropout_p=0"
+    if torch.compiler.is_compiling() or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return "under torch.compile and CUDA graph capture the engine runs PyTorch's kernels"
     if distributed:
         return "process_group calls are not fused (the engine exchanges rows between the ranks)"
     if q.dtype not in TRITON_DTYPES:
