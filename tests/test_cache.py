@@ -243,6 +243,7 @@ def test_a_call_that_fails_leaves_the_cache_as_it_was(chunk, poison, monkeypatch
     """Bad input is refused before the cache changes; should the attention itself
     raise after the keys were appended, the append is undone: a retry gives exactly
     the output of a cache that never failed."""
+    import dilated_attention.decode as decode
     import dilated_attention.functional as functional
 
     segs, rates = [4, 8], [1, 2]
@@ -261,15 +262,14 @@ def test_a_call_that_fails_leaves_the_cache_as_it_was(chunk, poison, monkeypatch
     with pytest.raises(ValueError, match="like the cache"):
         cache.attend(*then[:2], then[2].float())
     assert _same_state(cache, state)
-    run = functional.run
-
     def failing(*args, **kwargs):
-        monkeypatch.setattr(functional, "run", run)
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(functional, "run", failing)
+    monkeypatch.setattr(functional, "run", failing)  # the engine's path
+    monkeypatch.setattr(decode, "attend_step", failing)  # the lean one
     with pytest.raises(RuntimeError, match="simulated"):
         cache.attend(*then)
+    monkeypatch.undo()
     assert _same_state(cache, state)
     assert torch.equal(cache.attend(*then).nan_to_num(), expected.nan_to_num())
     assert cache.position.tolist() == clean.position.tolist()

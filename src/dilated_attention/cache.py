@@ -10,12 +10,14 @@ result, row for row.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Union
 
 import torch
 
-from . import functional, validation
+from . import decode, functional, fused, validation
 from .engine import nonfinite_rows
+from .kernels import accumulator
 from .plan import window_start_needed
 
 
@@ -28,6 +30,16 @@ def check_batch(sequences: int, batch: int, name: str) -> None:
             "feed the next positions of every sequence in each call, or first keep only those to continue with "
             "cache.reorder(indices) (e.g. cache.reorder(torch.tensor([0, 2])) keeps sequences 0 and 2)"
         )
+
+
+def _moved(t: torch.Tensor, capacity: int, kept: slice, dim: int) -> torch.Tensor:
+    """A new zeroed buffer like ``t`` with ``capacity`` slots along ``dim``, holding
+    ``t``'s slots ``kept`` at its start."""
+    shape = list(t.shape)
+    shape[dim] = capacity
+    fresh = t.new_zeros(shape)
+    fresh.narrow(dim, 0, kept.stop - kept.start).copy_(t.narrow(dim, kept.start, kept.stop - kept.start))
+    return fresh
 
 
 def _needed_from(position: int, segment_lengths: Sequence[int]) -> int:
@@ -92,7 +104,9 @@ class DilatedKVCache:
             validation.check_head_groups(num_heads, len(self.segment_lengths))
         self.head_offsets = validation.check_head_offsets(head_offsets)
         self.softmax_scale = validation.check_scale(softmax_scale, head_dim)
-        validation.kernel_scale(self.softmax_scale, dtype)  # refused here, not at the first attend, if too large
+        # refused here, not at the first attend, if too large
+        self._kernel_scale = validation.kernel_scale(self.softmax_scale, dtype)
+        self._sum_dtype = accumulator(dtype)
         self.shape = (int(batch), int(num_heads), int(head_dim))
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
@@ -103,7 +117,9 @@ class DilatedKVCache:
         starts = self._starts(start)
         self._position = list(starts)
         self._stored_from = list(starts)  # earliest position kept, per sequence
-        self._k = self._v = torch.empty(len(starts), 0, *self.shape[1:], dtype=self.dtype, device=self.device)
+        # Key-head-major, (B, H, slots, D): a decode step's window is contiguous per head.
+        batch, heads, dim = len(starts), *self.shape[1:]
+        self._k = self._v = torch.empty(batch, heads, 0, dim, dtype=self.dtype, device=self.device)
         self._bad = None  # (B, slots, H) bool: key rows holding NaN or infinity, once one was appended
         self._end = 0  # buffer slots [end - kept, end) hold a sequence's kept positions
 
@@ -160,30 +176,28 @@ class DilatedKVCache:
         self._stored_from = [self._stored_from[i] for i in rows]
         self.shape = (len(rows), *self.shape[1:])
 
-    def _append(self, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Write ``k, v`` ``(B, L, H, D)`` after the kept positions; return the slot of
-        their first row."""
+    def _append(self, k: torch.Tensor, v: torch.Tensor, flags: Optional[torch.Tensor]) -> int:
+        """Write ``k, v`` ``(B, L, H, D)`` after the kept positions (``flags``: their
+        non-finite rows, ``(B, L, H)``, or ``None``: none); return the slot of their
+        first row."""
         length = k.shape[1]
         kept = self.cached_positions
-        flags = nonfinite_rows(k, v)
         if flags is not None and self._bad is None:
-            self._bad = torch.zeros(self._k.shape[:3], dtype=torch.bool, device=self.device)
-        capacity = self._k.shape[1]
+            self._bad = torch.zeros(self._k.shape[0], self._k.shape[2], self._k.shape[1], dtype=torch.bool,
+                                    device=self.device)
+        capacity = self._k.shape[2]
         # New buffers when full, far too large, or made in (or out of) inference mode
         # and now written out of (or in) it.
         stale = self._k.is_inference() != torch.is_inference_mode_enabled()
         if self._end + length > capacity or capacity > 4 * (kept + length) or stale:
             capacity = 2 * (kept + length)
-            buffers = [self._k, self._v] + ([] if self._bad is None else [self._bad])
-            fresh = [t.new_empty(t.shape[0], capacity, *t.shape[2:]) for t in buffers]
-            for new, old in zip(fresh, buffers):
-                new[:, :kept] = old[:, self._end - kept : self._end]
-            self._k, self._v = fresh[:2]
-            self._bad = fresh[2] if self._bad is not None else None
+            kept_slots = slice(self._end - kept, self._end)
+            self._k, self._v = (_moved(t, capacity, kept_slots, dim=2) for t in (self._k, self._v))
+            self._bad = None if self._bad is None else _moved(self._bad, capacity, kept_slots, dim=1)
             self._end = kept
         first = self._end
-        self._k[:, first : first + length] = k.detach()
-        self._v[:, first : first + length] = v.detach()
+        self._k[:, :, first : first + length] = k.detach().transpose(1, 2)
+        self._v[:, :, first : first + length] = v.detach().transpose(1, 2)
         if self._bad is not None:
             self._bad[:, first : first + length] = False if flags is None else flags
         self._end = first + length
@@ -193,6 +207,37 @@ class DilatedKVCache:
         """The causal dilated attention output ``(B, L, H, D)`` of the next ``L``
         positions of every sequence, given their ``q, k, v`` ``(B, L, H, D)``."""
         validation.refuse_torch_func()
+        if not self._well_formed(q, k, v):
+            self._check_inputs(q, k, v)  # raises, saying what is wrong
+        buffers = (self._k, self._v, self._bad, self._end)
+        try:
+            if self._takes_window(q, k, v):
+                out = self._attend_window(q, self._append(k, v, None))
+            else:
+                out = self._attend_appended(q, k, v, self._append(k, v, nonfinite_rows(k, v)))
+        except BaseException:  # an error or an interrupt: undo the append, so that a retry is exact
+            self._k, self._v, self._bad, self._end = buffers
+            raise
+        length = q.shape[1]
+        self._position = [position + length for position in self._position]
+        self._stored_from = [max(kept, _needed_from(position, self.segment_lengths))
+                             for kept, position in zip(self._stored_from, self._position)]
+        return out
+
+    def _well_formed(self, q, k, v) -> bool:
+        """Whether ``q, k, v`` are what :meth:`attend` takes (the common case, checked
+        quickly; :meth:`_check_inputs` says what is wrong otherwise)."""
+        if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+            return False
+        shape = q.shape
+        return (
+            len(shape) == 4 and k.shape == shape and v.shape == shape and shape[1] >= 1
+            and (shape[0], shape[2], shape[3]) == self.shape and q.dtype == k.dtype == v.dtype == self.dtype
+            and q.device == k.device == v.device == self.device
+        )
+
+    def _check_inputs(self, q, k, v) -> None:
+        """A ``TypeError`` or ``ValueError`` saying what is wrong with ``q, k, v``."""
         batch, heads, dim = self.shape
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -211,16 +256,29 @@ class DilatedKVCache:
                 )
         if k.shape != q.shape or v.shape != q.shape:
             raise ValueError(f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-        buffers = (self._k, self._v, self._bad, self._end)
-        try:
-            out = self._attend_appended(q, k, v, self._append(k, v))
-        except BaseException:  # an error or an interrupt: undo the append, so that a retry is exact
-            self._k, self._v, self._bad, self._end = buffers
-            raise
-        for row in range(batch):
-            self._position[row] += q.shape[1]
-            needed = _needed_from(self._position[row], self.segment_lengths)
-            self._stored_from[row] = max(self._stored_from[row], needed)
+
+    def _takes_window(self, q, k, v) -> bool:
+        """Whether this call takes the lean path (:mod:`dilated_attention.decode`): a few
+        rows on the CPU, nothing to differentiate, no non-finite value anywhere, and no
+        other kernels asked for; else the engine's blocks, group by group."""
+        if q.shape[1] > decode.MAX_ROWS or self.device.type != "cpu" or self._bad is not None:
+            return False
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return False
+        if torch.compiler.is_compiling() or fused.requested(None) == "triton":
+            return False
+        acc = self._sum_dtype
+        return math.isfinite(q.sum(dtype=acc).item() + k.sum(dtype=acc).item() + v.sum(dtype=acc).item())
+
+    def _attend_window(self, q, first_slot: int) -> torch.Tensor:
+        """The output ``(B, L, H, D)`` of ``q`` through the lean path, once its keys are in
+        the buffers from slot ``first_slot`` on (the positions are not yet advanced)."""
+        stop = first_slot + q.shape[1]
+        tables = decode.decode_tables(self.shape[1], self.segment_lengths, self.dilation_rates, self.mode,
+                                      self.head_offsets, self.device)
+        out, _ = decode.attend_step(q, self._k[:, :, :stop], self._v[:, :, :stop],
+                                         [position - first_slot for position in self._position], tables,
+                                         self._kernel_scale)
         return out
 
     def _attend_appended(self, q, k, v, first_slot: int) -> torch.Tensor:
@@ -230,7 +288,8 @@ class DilatedKVCache:
         groups: dict[int, list[int]] = {}
         for row, position in enumerate(self._position):
             groups.setdefault(position, []).append(row)
-        keys = self._k[:, : first_slot + length], self._v[:, : first_slot + length]
+        keys = (self._k[:, :, : first_slot + length].transpose(1, 2),
+                self._v[:, :, : first_slot + length].transpose(1, 2))
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             # Autograd keeps the keys it used: a copy, as the buffers change in place, with
             # the new rows' graph.

@@ -330,7 +330,7 @@ def _write(dst: torch.Tensor, src: torch.Tensor, fresh: bool, scale: float = 1.0
             dst.mul_(scale)
 
 
-def _merge_into(out, lse, o, l, scale: float = 1.0) -> None:
+def merge_into(out, lse, o, l, scale: float = 1.0) -> None:
     """In place: ``lse <- logaddexp(lse, l)``,
     ``out <- out * e^(lse_old - lse) + scale * o * e^(l - lse)``.
 
@@ -396,7 +396,7 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
                 _write(out_view, o, True, cfg.out_scale)
                 lse_view.copy_(l)
             else:
-                _merge_into(out_view, lse_view, o, l, cfg.out_scale)
+                merge_into(out_view, lse_view, o, l, cfg.out_scale)
 
     run(cfg.blocks)
     if exchange is not None:

@@ -7,9 +7,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import fused, validation
+from . import decode, fused, validation
 from .dropout import draw_seed
-from .engine import DilatedAttentionFunction, EngineConfig, contiguous_last_dim
+from .engine import DilatedAttentionFunction, EngineConfig, contiguous_last_dim, nonfinite_rows
 from .kernels import select_kernel
 from .plan import FusedPlan, branch_table, make_plan, partly_covered_heads
 
@@ -163,6 +163,11 @@ def run(call, dropout: float = 0.0, seed=None, exchange=None, key_flags=None, ke
     ``kernel``: see :mod:`dilated_attention.fused`; the fused kernels take every batch
     row in one launch, whatever its key offset."""
     checks = (key_flags, keys_checked)
+    if _takes_step(call, dropout, exchange, kernel, key_flags, keys_checked):
+        tables = decode.decode_tables(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode,
+                                      call.head_offsets, call.q.device)
+        return decode.attend_step(call.q, call.k.transpose(1, 2), call.v.transpose(1, 2), call.key_offsets, tables,
+                                  validation.kernel_scale(call.scale, call.q.dtype), call.padding)
     if fused.use_triton(call.q, dropout, exchange is not None, kernel):
         table = branch_table(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets)
         plan = FusedPlan(table, call.key_offsets, call.is_causal)
@@ -173,6 +178,22 @@ def run(call, dropout: float = 0.0, seed=None, exchange=None, key_flags=None, ke
     parts = [_attend(call, offset, rows, dropout, seed, None, *checks) for offset, rows in groups]
     order = torch.cat([torch.as_tensor(rows, device=call.q.device) for _, rows in groups]).argsort()
     return tuple(torch.cat(part)[order] for part in zip(*parts))
+
+
+def _takes_step(call, dropout: float, exchange, kernel, key_flags, keys_checked: bool) -> bool:
+    """Whether a call takes the lean path of decode steps (:mod:`dilated_attention.decode`):
+    a few causal query rows on the CPU, no dropout, one process, nothing to
+    differentiate, no NaN or infinity in its inputs, PyTorch's kernels."""
+    if not call.is_causal or call.shape[1] > decode.MAX_ROWS or call.q.device.type != "cpu":
+        return False
+    if dropout > 0 or exchange is not None or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
+        return False
+    if fused.use_triton(call.q, dropout, False, kernel):
+        return False
+    keys_finite = key_flags is None if keys_checked else nonfinite_rows(call.k, call.v) is None
+    return keys_finite and nonfinite_rows(call.q) is None
 
 
 def _rows_by_key_offset(key_offsets: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:

@@ -21,6 +21,7 @@ Nothing here imports Triton until a call runs the Triton kernels.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Optional
@@ -59,7 +60,7 @@ def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> Option
         return f"{q.dtype} is not fused (float16, bfloat16 and float32 are)"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q.shape[-1]} is above {MAX_HEAD_DIM}"
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "Triton is not installed (it comes with PyTorch's CUDA builds; pip install triton)"
     if q.device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -69,6 +70,11 @@ def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> Option
     if q.device.type != "cuda":
         return f"Triton has no backend for {q.device.type} tensors here"
     return None
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: Optional[str]) -> bool:

@@ -1,0 +1,211 @@
+"""A few query rows against a window of keys in a handful of tensor operations: the
+lean path of decode steps (one token per sequence, or a few).
+
+A query attends, in each branch that selects it, to the selected keys of its
+segment up to itself. ``mixture`` is one softmax over all of those keys, a key that
+``m`` branches select counting ``m`` times: exactly the softmax over the window of
+keys from the earliest one any branch reaches, with ``log(m)`` added to each key's
+score (``-inf`` where ``m = 0``). ``head_groups`` is the same with each head's one
+branch, the output divided by the number of branches. So a step is one fused
+attention call over that window with an additive bias, and the bias is built from
+its branches: the selected keys of a branch in the query's segment are every
+``r``-th key from the segment's start, one strided column slice of the window, and
+the heads it counts for are those whose offset is the query's phase in the segment
+(a precomputed per-branch, per-phase head vector). The cost is one small tensor
+operation per branch and query row, whatever the lengths, plus the attention over
+the window (never longer than ``max(segment_lengths)`` keys). Exact: the tests hold
+it to the float64 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .engine import contiguous_last_dim, merge_into
+from .kernels import accumulator
+from .plan import branch_head_sets, branch_table, key_heads
+
+_aten = torch.ops.aten
+# Query rows a step takes through this path at most (more are a prefill chunk).
+MAX_ROWS = 16
+# What the branch-by-branch path's extra calls and merges cost, in (key, head) pairs
+# of the window path (measured on 2-core x86 CPUs: about 60 us, at about 10 ns a pair).
+BRANCH_CALLS_COST = 8192
+
+
+@dataclass(frozen=True)
+class DecodeTables:
+    """Per branch ``(w, r, heads, chosen)`` (``r`` clamped to ``w``): per phase ``t <
+    min(r, H)`` of a query in its segment (later phases select no head), ``heads[t]`` the ``(H, 1)`` float 0/1 vector of the heads
+    that count the branch's keys (those whose offset is ``t``) and ``chosen[t]`` the
+    same as a bit mask (bit ``h`` for head ``h``); ``every_head``: all ``H`` bits."""
+
+    branches: tuple[tuple[int, int, tuple[torch.Tensor, ...], tuple[int, ...]], ...]
+    every_head: int
+    out_scale: float
+    # per branch (in the order above) and phase: the heads that count it, as a slice
+    query_heads: tuple[tuple[Optional[slice], ...], ...]
+
+    def prefers_branches(self, position: int, num_heads: int) -> bool:
+        """Whether a query at ``position`` is cheaper branch by branch than over its
+        window: when the window's (key, head) pairs exceed the branches' by more than
+        :data:`BRANCH_CALLS_COST` (what the extra calls and merges cost, in pairs)."""
+        window = num_heads * self.reach(position, position)
+        attended = 0
+        for w, r, _, chosen in self.branches:
+            into = position % w
+            phase = into % r
+            if phase < len(chosen):
+                attended += bin(chosen[phase]).count("1") * (into // r + 1)
+        return window > attended + BRANCH_CALLS_COST
+
+    def reach(self, first: int, last: int) -> int:
+        """How many keys queries at positions ``first .. last`` attend back over: from
+        the first one's earliest segment start to the last (0 if all are padding,
+        at negative positions)."""
+        if last < 0:
+            return 0
+        first = max(first, 0)
+        return last - min(first // w * w for w, _, _, _ in self.branches) + 1
+
+
+@functools.lru_cache(maxsize=64)
+def decode_tables(num_heads: int, segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...], mode: str,
+                  head_offsets: str, device: torch.device) -> DecodeTables:
+    """The :class:`DecodeTables` of these branches on ``device`` (cached)."""
+    table = branch_table(num_heads, segment_lengths, dilation_rates, mode, head_offsets)
+    sets = branch_head_sets(num_heads, dilation_rates, mode, head_offsets)
+    branches, query_heads = [], []
+    # A branch that counts every head first (r = 1 in mixture): its result is the start
+    # that the others merge into (see branch_attention).
+    for i in sorted(range(len(sets)), key=lambda i: table.rates[i] != 1):
+        w, r = table.segment_lengths[i], table.rates[i]
+        # Offsets are below H: phases from H on select no head (and r may be huge).
+        phases = [[table.offsets[h][i] == t for h in range(num_heads)] for t in range(min(r, num_heads))]
+        heads = tuple(torch.tensor(p, dtype=torch.float32, device=device).view(-1, 1) for p in phases)
+        chosen = tuple(sum(1 << h for h, yes in enumerate(p) if yes) for p in phases)
+        branches.append((w, r, heads, chosen))
+        by_offset = {offset: heads for offset, heads in sets[i] if offset < w}
+        query_heads.append(tuple(by_offset.get(t) for t in range(len(phases))))
+    out_scale = 1.0 if mode == "mixture" else 1.0 / len(segment_lengths)
+    return DecodeTables(tuple(branches), (1 << num_heads) - 1, out_scale, tuple(query_heads))
+
+
+def window_bias(tables: DecodeTables, positions: Sequence[int], width: int, num_heads: int, device,
+                dtype=torch.float32) -> tuple[torch.Tensor, bool]:
+    """The additive bias ``(H, Lq, width)`` of queries at ``positions`` (consecutive,
+    the last at the window's last key) over a window of ``width`` keys:
+    ``log(multiplicity)``; and whether some (query, head) attends to no key (a query
+    at a negative position, or selected by no branch)."""
+    last = positions[-1]
+    count = torch.zeros(num_heads, len(positions), width, device=device, dtype=dtype)
+    empty = False
+    for row, position in enumerate(positions):
+        counted = 0
+        if position >= 0:
+            end = width - (last - position)  # the window column after this query's own key
+            for w, r, heads, chosen in tables.branches:
+                into = position % w  # the query's place in its segment
+                phase = into % r
+                if phase < len(chosen) and chosen[phase]:
+                    # every r-th key from the segment's first one (column end - 1 - into)
+                    count[:, row, end - 1 - into + phase : end : r] += heads[phase]
+                    counted |= chosen[phase]
+        empty = empty or counted != tables.every_head
+    return count.sub_(1).log1p_(), empty  # log(count): -inf where 0 (log1p is fast there, log is not)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: Sequence[int],
+                     tables: DecodeTables, scale: float, padding: Optional[torch.Tensor] = None):
+    """``out`` ``(B, Lq, H, D)`` and ``lse`` ``(B, Lq, H)`` of causal dilated attention
+    of ``q`` ``(B, Lq, H, D)`` against ``k, v`` ``(B, H_kv, Lk, D)`` (key-head-major
+    views), the queries being the last ``Lq`` key slots; slot 0 of row ``b`` is at
+    position ``key_positions[b]`` (negative positions are padding). ``padding``:
+    ``(B, Lk)`` bool, ``True`` for a padded key. The keys must reach back to every
+    query's earliest segment start (as a window of :func:`dilated_attention` must)."""
+    batch, rows, num_heads, _ = q.shape
+    num_keys = k.shape[2]
+    firsts = [p + num_keys - rows for p in key_positions]  # the first query's position, per row
+    width = max(1, min(num_keys, max(tables.reach(first, first + rows - 1) for first in firsts)))
+    distinct = list(dict.fromkeys(firsts))  # rows at one position share their bias
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the scores' dtype
+    parts = [window_bias(tables, range(first, first + rows), width, num_heads, q.device, dtype) for first in distinct]
+    empty = any(e for _, e in parts)
+    if len(parts) == 1:
+        bias = parts[0][0].unsqueeze(0)
+    else:
+        index = torch.tensor([distinct.index(first) for first in firsts], device=q.device)
+        bias = torch.stack([b for b, _ in parts]).index_select(0, index)
+    k, v = (contiguous_last_dim(t[:, :, num_keys - width :]) for t in (k, v))
+    if padding is not None:
+        bias = bias.masked_fill(padding[:, None, None, num_keys - width :], -math.inf)
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        contiguous_last_dim(q).transpose(1, 2), k, v, 0.0, False, attn_mask=bias, scale=scale,
+    )
+    if empty or padding is not None:  # rows with no key: 0 and -inf, not the kernel's 0/0
+        none = torch.isneginf(bias).all(-1)
+        out, lse = out.masked_fill(none.unsqueeze(-1), 0.0), lse.masked_fill(none, -math.inf)
+    if tables.out_scale != 1.0:
+        out = out * tables.out_scale
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, tables: DecodeTables,
+                     scale: float):
+    """``(out, lse)`` as :func:`window_attention` gives them, for one query row per
+    sequence, every row at ``position`` (``>= 0``) and no padding, computed branch by
+    branch: each branch that selects the query is one attention call of the heads it
+    counts against its selected keys (a strided view: every ``r``-th key of the
+    segment), and the branches are merged by their log-sum-exps. It reads only the
+    keys each head attends to, where a window reads every head's whole window: fewer
+    bytes once the window is long, more calls. ``None`` where grouped-query heads map
+    to key heads no view expresses (the window then serves)."""
+    batch, _, num_heads, dim = q.shape
+    groups = num_heads // k.shape[1]
+    queries, end = contiguous_last_dim(q).transpose(1, 2), k.shape[2]  # the query's own key is slot end - 1
+    k, v = contiguous_last_dim(k), contiguous_last_dim(v)
+    out = lse = None
+    for (w, r, _, chosen), heads_by_phase in zip(tables.branches, tables.query_heads):
+        into = position % w
+        phase = into % r
+        heads = heads_by_phase[phase] if phase < len(heads_by_phase) else None
+        if heads is None:
+            continue
+        kv, _, gathered = key_heads(heads.indices(num_heads), groups)
+        if gathered is not None:
+            return None
+        keys = slice(end - 1 - into + phase, end, r)
+        o, l = _aten._scaled_dot_product_flash_attention_for_cpu(
+            queries[:, heads], k[:, slice(*kv), keys], v[:, slice(*kv), keys], 0.0, False, scale=scale
+        )
+        if out is None and chosen[phase] == tables.every_head and tables.out_scale == 1.0:
+            out, lse = o.to(accumulator(q.dtype)), l
+            continue
+        if out is None:
+            out = q.new_zeros(batch, num_heads, 1, dim, dtype=accumulator(q.dtype))
+            lse = torch.full((batch, num_heads, 1), -math.inf, dtype=l.dtype, device=q.device)
+        merge_into(out[:, heads], lse[:, heads], o, l, tables.out_scale)
+    if out is None:  # no branch selects the query for any head
+        out = q.new_zeros(batch, num_heads, 1, dim)
+        lse = torch.full((batch, num_heads, 1), -math.inf, dtype=accumulator(q.dtype), device=q.device)
+    return out.to(q.dtype).transpose(1, 2), lse.transpose(1, 2)
+
+
+def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: Sequence[int],
+                tables: DecodeTables, scale: float, padding: Optional[torch.Tensor] = None):
+    """:func:`window_attention`, or :func:`branch_attention` where it reads far fewer
+    keys (one query row at one position, a window much longer than what the heads
+    attend to): the cheaper of two exact ways."""
+    rows, num_heads, num_keys = q.shape[1], q.shape[2], k.shape[2]
+    if rows == 1 and padding is None and len(set(key_positions)) == 1:
+        position = key_positions[0] + num_keys - 1
+        if position >= 0 and tables.prefers_branches(position, num_heads):
+            result = branch_attention(q, k, v, position, tables, scale)
+            if result is not None:
+                return result
+    return window_attention(q, k, v, key_positions, tables, scale, padding)

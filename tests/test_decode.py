@@ -1,0 +1,99 @@
+"""The lean path of decode steps (``dilated_attention.decode``): a few query rows
+against a window of keys, in one attention call with a log-multiplicity bias or
+branch by branch, against the float64 reference."""
+
+import math
+
+import pytest
+import torch
+from helpers import random_inputs, split_config, windows
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilated_attention import decode, reference_dilated_attention
+from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
+
+
+def tables_of(attn, heads):
+    return decode.decode_tables(heads, tuple(attn["segment_lengths"]), tuple(attn["dilation_rates"]), attn["mode"],
+                                attn["head_offsets"], torch.device("cpu"))
+
+
+def step_case(case, data, max_rows):
+    """A window case with at most ``max_rows`` queries, each batch row shifted by its
+    own multiple of lcm(w): the inputs, the expected rows, the key positions."""
+    cfg, queries, start = case
+    queries = min(queries, max_rows)
+    start = min(start, cfg["seq_len"] - queries)
+    inputs, attn = split_config(dict(cfg, masked=False))
+    (q, k, v), _, _ = random_inputs(**inputs)
+    q, k, v = (t.detach() for t in (q, k, v))
+    total = cfg["seq_len"]
+    whole, whole_lse = reference_dilated_attention(q, k, v, **attn)
+    period = math.lcm(*cfg["segment_lengths"])
+    positions = [start + data.draw(st.integers(0, 2)) * period for _ in range(cfg["batch"])]
+    window = [t[:, start:total].transpose(1, 2) for t in (k, v)]  # key-head-major, as the cache keeps them
+    expected = whole[:, total - queries :], whole_lse[:, total - queries :]
+    scale = attn["softmax_scale"] if attn["softmax_scale"] is not None else cfg["head_dim"] ** -0.5
+    return q[:, total - queries :], window, positions, expected, tables_of(attn, cfg["heads"]), scale
+
+
+@given(windows(max_len=40), st.data())
+def test_one_call_over_the_window_is_the_definition(case, data):
+    q, (k, v), positions, (ref, ref_lse), tables, scale = step_case(case, data, decode.MAX_ROWS)
+    out, lse = decode.window_attention(q, k, v, positions, tables, scale)
+    assert max_relative_error(out, ref) <= 1e-10 and lse_error(lse, ref_lse) <= 1e-10
+
+
+@given(windows(max_len=40), st.data())
+def test_branch_by_branch_is_the_definition(case, data):
+    q, (k, v), positions, (ref, ref_lse), tables, scale = step_case(case, data, 1)
+    result = decode.branch_attention(q, k, v, positions[0] + k.shape[2] - 1, tables, scale)
+    if result is None:  # grouped-query heads no view expresses: the window serves
+        return
+    out, lse = result
+    assert max_relative_error(out, ref) <= 1e-10 and lse_error(lse, ref_lse) <= 1e-10
+
+
+@settings(max_examples=40)
+@given(windows(max_len=32), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.data())
+def test_low_precision_steps(case, dtype, data):
+    case = (dict(case[0], softmax_scale=None), *case[1:])  # scales above 1 amplify rounding past the tolerances
+    q, (k, v), positions, (ref, _), tables, scale = step_case(case, data, 4)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out = decode.attend_step(q, k, v, positions, tables, scale)[0]
+    assert out.dtype == dtype and max_relative_error(out, ref) <= TOLERANCES[dtype]
+
+
+def test_padding_and_rows_at_negative_positions():
+    """Padded keys have no effect; a query at a negative position (left padding)
+    outputs 0 and -inf, and so does one no branch selects for a head."""
+    (q, k, v), _, mask = random_inputs(3, 2, 20, 4, 8, masked=True)
+    q, k, v = (t.detach() for t in (q, k, v))
+    attn = dict(segment_lengths=[4, 8], dilation_rates=[2, 4], mode="mixture", head_offsets="interleaved")
+    tables = tables_of(attn, 4)
+    ref, ref_lse = reference_dilated_attention(q, k, v, is_causal=True, key_padding_mask=mask, **attn)
+    out, lse = decode.window_attention(q[:, 16:], k[:, 8:].transpose(1, 2), v[:, 8:].transpose(1, 2), [8, 8], tables,
+                                       8**-0.5, padding=mask[:, 8:])
+    assert max_relative_error(out, ref[:, 16:]) <= 1e-10 and lse_error(lse, ref_lse[:, 16:]) <= 1e-10
+    assert torch.isneginf(lse).any()  # rate 2 and 4 without a rate-1 branch: some heads see nothing
+    out, lse = decode.window_attention(q[:, 19:], k[:, 3:].transpose(1, 2), v[:, 3:].transpose(1, 2), [-20, 3],
+                                       tables, 8**-0.5)
+    assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))  # row 0's query is at position -4
+    assert max_relative_error(out[1:], reference_dilated_attention(
+        q[1:], k[1:], v[1:], is_causal=True, **attn)[0][:, 19:]) <= 1e-10
+
+
+@pytest.mark.parametrize("cost, expected", [(0, "branch_attention"), (10**12, "window_attention")])
+def test_the_step_takes_the_cheaper_way(cost, expected, monkeypatch):
+    (q, k, v), _, _ = random_inputs(4, 1, 63, 4, 8)
+    q, k, v = (t.detach() for t in (q, k, v))
+    attn = dict(segment_lengths=[8, 32], dilation_rates=[1, 4], mode="mixture", head_offsets="interleaved")
+    ran = []
+    for name in ("branch_attention", "window_attention"):
+        original = getattr(decode, name)
+        monkeypatch.setattr(decode, name, lambda *a, _f=original, _n=name, **kw: ran.append(_n) or _f(*a, **kw))
+    monkeypatch.setattr(decode, "BRANCH_CALLS_COST", cost)
+    out, _ = decode.attend_step(q[:, 62:], k.transpose(1, 2), v.transpose(1, 2), [0], tables_of(attn, 4), 8**-0.5)
+    assert ran == [expected]  # position 62: a window of 31 keys, of which the heads attend 7 or 8
+    assert max_relative_error(out, reference_dilated_attention(q, k, v, is_causal=True, **attn)[0][:, 62:]) <= 1e-10
