@@ -192,11 +192,15 @@ def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):
             "--heads", "2", "--head-dim", "4", "--steps", "40", "--dense-steps", "3", "--out-dir", str(tmp_path)]
     assert main(args) == 0
     rows = json.loads((tmp_path / "decode-cpu-float32.json").read_text())["rows"]
-    assert [(r["impl"], r["position"]) for r in rows] == [
-        ("dilated", 64), ("dense", 64), ("dilated", 256), ("dense", 256)
+    assert [(r["impl"], r["batch"], r["position"]) for r in rows] == [
+        (impl, batch, position) for position in (64, 256) for batch in ("1", "8 equal", "8 padded")
+        for impl in ("dilated", "dense")
     ]
-    dilated = [r["cache_bytes"] for r in rows if r["impl"] == "dilated"]
-    dense = [r["cache_bytes"] for r in rows if r["impl"] == "dense"]
+    assert all(r["ms_per_token"] > 0 for r in rows)
+    assert {r["note"] for r in rows if r["impl"] == "dense"} == {"SDPA (CPU flash)",
+                                                                  "SDPA (CPU flash), boolean key mask"}
+    dilated = [r["cache_bytes"] for r in rows if r["impl"] == "dilated" and r["batch"] == "1"]
+    dense = [r["cache_bytes"] for r in rows if r["impl"] == "dense" and r["batch"] == "1"]
     assert dilated[0] == dilated[1] and dense[1] > 3 * dense[0]  # bounded, against growing
     assert (tmp_path / "decode-cpu-float32.png").read_bytes()[:4] == b"\x89PNG"
     assert "dense/dilated" in (tmp_path / "decode-cpu-float32.txt").read_text()

@@ -159,3 +159,47 @@ def test_auto_runs_the_fused_kernels_on_cuda_for_half_precision():
     assert fused.use_triton(half, 0.0, False, None) == (importlib.util.find_spec("triton") is not None)
     assert not fused.use_triton(half.float(), 0.0, False, None)  # float32: PyTorch's kernels unless asked
     assert not fused.use_triton(half, 0.1, False, None)  # dropout: the unfused kernel
+
+
+def test_a_static_cache_step_replays_from_a_cuda_graph():
+    """The static cache's step captured once in a CUDA graph, replayed per token with
+    new inputs copied in: the eager cache's outputs."""
+    from dilated_attention import StaticKVCache
+
+    def make():
+        return StaticKVCache(2, 4, 64, [16, 32, 64], [1, 2, 4], start=torch.tensor([0, -5]), dtype=torch.bfloat16,
+                             device="cuda")
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 40, 4, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    eager, cache = make(), make()
+    inputs = [torch.zeros(2, 1, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up before capture, as CUDA graphs need
+        for _ in range(2):
+            cache.attend(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    cache.reset(torch.tensor([0, -5]))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cache.attend(*inputs)
+    for i in range(40):
+        for buffer, source in zip(inputs, (q, k, v)):
+            buffer.copy_(source[:, i : i + 1])
+        graph.replay()
+        assert torch.equal(out, eager.attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]))
+    assert cache.position.tolist() == [40, 35]
+
+
+def test_a_static_cache_loop_compiles_once_with_reduce_overhead():
+    from dilated_attention import StaticKVCache
+
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 30, 4, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    eager = StaticKVCache(1, 4, 64, [8, 16], [1, 2], dtype=torch.bfloat16, device="cuda")
+    cache = StaticKVCache(1, 4, 64, [8, 16], [1, 2], dtype=torch.bfloat16, device="cuda")
+    step = torch.compile(cache.attend, mode="reduce-overhead", fullgraph=True)
+    for i in range(30):
+        rows = (q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1])
+        assert max_relative_error(step(*rows).clone().cpu(), eager.attend(*rows).cpu()) <= 1e-2

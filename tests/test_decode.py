@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import random_inputs, split_config, windows
+from helpers import configs, random_inputs, split_config, windows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,8 +47,10 @@ def test_one_call_over_the_window_is_the_definition(case, data):
 
 @given(windows(max_len=40), st.data())
 def test_branch_by_branch_is_the_definition(case, data):
+    """Rows at different positions (each its own multiple of lcm(w) later) in one
+    call per branch and phase."""
     q, (k, v), positions, (ref, ref_lse), tables, scale = step_case(case, data, 1)
-    result = decode.branch_attention(q, k, v, positions[0] + k.shape[2] - 1, tables, scale)
+    result = decode.branch_attention(q, k, v, [p + k.shape[2] - 1 for p in positions], tables, scale)
     if result is None:  # grouped-query heads no view expresses: the window serves
         return
     out, lse = result
@@ -84,7 +86,7 @@ def test_padding_and_rows_at_negative_positions():
         q[1:], k[1:], v[1:], is_causal=True, **attn)[0][:, 19:]) <= 1e-10
 
 
-@pytest.mark.parametrize("cost, expected", [(0, "branch_attention"), (10**12, "window_attention")])
+@pytest.mark.parametrize("cost, expected", [(-(10**12), "branch_attention"), (10**12, "window_attention")])
 def test_the_step_takes_the_cheaper_way(cost, expected, monkeypatch):
     (q, k, v), _, _ = random_inputs(4, 1, 63, 4, 8)
     q, k, v = (t.detach() for t in (q, k, v))
@@ -97,3 +99,50 @@ def test_the_step_takes_the_cheaper_way(cost, expected, monkeypatch):
     out, _ = decode.attend_step(q[:, 62:], k.transpose(1, 2), v.transpose(1, 2), [0], tables_of(attn, 4), 8**-0.5)
     assert ran == [expected]  # position 62: a window of 31 keys, of which the heads attend 7 or 8
     assert max_relative_error(out, reference_dilated_attention(q, k, v, is_causal=True, **attn)[0][:, 62:]) <= 1e-10
+
+
+@pytest.mark.parametrize("cost", [-(10**12), 10**12])  # every step branch by branch, or over one window
+@given(cfg=configs(max_len=30), data=st.data())
+def test_left_padded_decoding_either_way_is_the_definition(cost, cfg, data):
+    """Sequences left-padded to different lengths decode one token a step: their
+    queries sit at different phases of their segments, yet share each call."""
+    from dilated_attention import DilatedKVCache
+
+    cfg = dict(cfg, is_causal=True, masked=False)
+    inputs, attn = split_config(cfg)
+    tensors = [t.detach() for t in random_inputs(**inputs)[0]]
+    pads = [data.draw(st.integers(0, cfg["seq_len"] - 1)) for _ in range(cfg["batch"])]
+    cache = DilatedKVCache(cfg["batch"], cfg["heads"], cfg["head_dim"], attn["segment_lengths"],
+                           attn["dilation_rates"], mode=attn["mode"], head_offsets=attn["head_offsets"],
+                           softmax_scale=attn["softmax_scale"], start=torch.tensor([-p for p in pads]),
+                           dtype=torch.float64)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode, "BRANCH_CALLS_COST", cost)
+        out = torch.cat([cache.attend(*(t[:, i : i + 1] for t in tensors)) for i in range(cfg["seq_len"])], 1)
+    for row, pad in enumerate(pads):
+        ref, _ = reference_dilated_attention(*(t[row : row + 1, pad:] for t in tensors), **attn)
+        assert max_relative_error(out[row : row + 1, pad:], ref) <= 1e-10
+        assert torch.all(out[row, :pad] == 0)
+
+
+@given(configs(max_len=8), st.data())
+def test_rows_at_any_positions_share_branch_and_window_calls(cfg, data):
+    """One query per row, every row at its own position (a window at least the longest
+    segment long is valid anywhere): both ways against the reference, row by row."""
+    cfg = dict(cfg, is_causal=True, masked=False)
+    inputs, attn = split_config(cfg)
+    longest = max(cfg["segment_lengths"])
+    inputs["seq_len"] = longest + data.draw(st.integers(0, 5))
+    q, k, v = (t.detach() for t in random_inputs(**inputs)[0])
+    starts = [data.draw(st.integers(0, 3 * math.lcm(*cfg["segment_lengths"]))) for _ in range(cfg["batch"])]
+    tables = tables_of(attn, cfg["heads"])
+    scale = attn["softmax_scale"] if attn["softmax_scale"] is not None else cfg["head_dim"] ** -0.5
+    last = [s + inputs["seq_len"] - 1 for s in starts]
+    window = decode.window_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), starts, tables, scale)
+    branch = decode.branch_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), last, tables, scale)
+    for row, start in enumerate(starts):
+        ref, ref_lse = reference_dilated_attention(q[row : row + 1, -1:], k[row : row + 1], v[row : row + 1],
+                                                   key_offset=start, **attn)
+        for out, lse in [window] + ([branch] if branch is not None else []):
+            assert max_relative_error(out[row : row + 1], ref) <= 1e-10
+            assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10

@@ -5,7 +5,8 @@
 - :class:`GridAttention`: attention over image patches in a chosen order
   (:mod:`dilated_attention.ordering`: row-major, Z-order, Hilbert).
 - :class:`DilatedKVCache`: attention fed a few positions at a time (decoding), in
-  memory bounded by the longest segment.
+  memory bounded by the longest segment; :class:`StaticKVCache` the same with fixed
+  shapes, for ``torch.compile`` and CUDA graphs.
 - :mod:`dilated_attention.reference`: a dense float64 reference of the definition.
 
 What is computed, exactly, is defined in ``docs/definition.md`` of the project.
@@ -15,10 +16,12 @@ from .cache import DilatedKVCache
 from .functional import dilated_attention
 from .modules import DilatedAttention, GridAttention, MultiheadDilatedAttention
 from .reference import reference_dilated_attention
+from .static_cache import StaticKVCache
 
 __all__ = [
     "dilated_attention",
     "DilatedKVCache",
+    "StaticKVCache",
     "DilatedAttention",
     "MultiheadDilatedAttention",
     "GridAttention",

@@ -137,7 +137,7 @@ def _cmd_decode_bench(args) -> int:
     cfg = decode_benchmark.DecodeConfig(
         positions=args.positions, segment_lengths=segs, dilation_rates=rates, heads=args.heads,
         head_dim=args.head_dim, dtype=args.dtype, device=args.device, steps=args.steps,
-        dense_steps=args.dense_steps,
+        dense_steps=args.dense_steps, batch=args.batch,
     )
     result = decode_benchmark.run(cfg)
     return _save_results(args, "decode", decode_benchmark.to_json(result), decode_benchmark.format_table(result),
@@ -305,13 +305,18 @@ def _add_bench(sub) -> None:
 def _add_decode_bench(sub) -> None:
     bench = _add_command(
         sub, "decode-bench", "Time one-token decode steps: DilatedKVCache vs a dense KV cache.",
-        "Time one-token steps of DilatedKVCache and of a dense KV cache (SDPA over every cached key) at "
-        "several positions, measure both caches' memory, and write a JSON file, a text table and a plot "
-        "into a new folder (or --out-dir).",
+        "Time one-token steps of DilatedKVCache and of a preallocated dense KV cache (SDPA over every "
+        "cached key, PyTorch's fastest backend for it; on CUDA also both captured in CUDA graphs) at several "
+        "positions, for one sequence, a batch at one position and a left-padded batch; measure the caches' "
+        "memory, and write a JSON file, a text table and a plot into a new folder (or --out-dir).",
     )
-    bench.add_argument("--positions", type=positive_ints, nargs="+", metavar="P", default=[4096, 65536, 2**20],
+    bench.add_argument("--positions", type=positive_ints, nargs="+", metavar="P",
+                       default=[1, 1024, 4096, 8192, 65536, 2**20],
                        help="positions (tokens already seen) to measure at, separated by spaces "
-                       "(default: 4096 65536 1048576)")
+                       "(default: 1 1024 4096 8192 65536 1048576)")
+    bench.add_argument("--batch", type=positive_int, default=8,
+                       help="sequences of the two batched runs, one at a single position and one left-padded "
+                       "(default: 8)")
     _add_run_options(bench, "the caches", "decode")
     bench.add_argument("--steps", type=positive_int, default=8192,
                        help="one-token steps timed per position for the dilated cache; lcm of the segment lengths "

@@ -36,6 +36,11 @@ MAX_ROWS = 16
 # What the branch-by-branch path's extra calls and merges cost, in (key, head) pairs
 # of the window path (measured on 2-core x86 CPUs: about 60 us, at about 10 ns a pair).
 BRANCH_CALLS_COST = 8192
+# Rows at different positions: shared calls' pairs cost this many times more (a bias
+# per row, masks per call), and a row taken alone this much more (its whole step's
+# overhead); measured alike.
+DISTINCT_FACTOR = 3
+ROW_STEP_COST = 3 * BRANCH_CALLS_COST
 
 
 @dataclass(frozen=True)
@@ -51,18 +56,17 @@ class DecodeTables:
     # per branch (in the order above) and phase: the heads that count it, as a slice
     query_heads: tuple[tuple[Optional[slice], ...], ...]
 
-    def prefers_branches(self, position: int, num_heads: int) -> bool:
-        """Whether a query at ``position`` is cheaper branch by branch than over its
-        window: when the window's (key, head) pairs exceed the branches' by more than
-        :data:`BRANCH_CALLS_COST` (what the extra calls and merges cost, in pairs)."""
-        window = num_heads * self.reach(position, position)
-        attended = 0
-        for w, r, _, chosen in self.branches:
-            into = position % w
-            phase = into % r
-            if phase < len(chosen):
-                attended += bin(chosen[phase]).count("1") * (into // r + 1)
-        return window > attended + BRANCH_CALLS_COST
+    def costs(self, positions: Sequence[int], num_heads: int) -> tuple[int, int]:
+        """The cost of one query row per sequence at ``positions`` over one window and
+        branch by branch, in (key, head) pairs read, a call counting
+        :data:`BRANCH_CALLS_COST` (each branch-by-branch call covers every row, with
+        its longest keys)."""
+        window = len(positions) * num_heads * max(self.reach(p, p) for p in positions)
+        branches = 0
+        for _, _, chosen, _, groups in _phase_groups(self, positions):
+            for phase, members in groups.items():
+                branches += len(positions) * bin(chosen[phase]).count("1") * max(members.values()) + BRANCH_CALLS_COST
+        return window, max(branches, BRANCH_CALLS_COST)
 
     def reach(self, first: int, last: int) -> int:
         """How many keys queries at positions ``first .. last`` attend back over: from
@@ -155,57 +159,113 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_posi
     return out.transpose(1, 2), lse.transpose(1, 2)
 
 
-def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position: int, tables: DecodeTables,
-                     scale: float):
-    """``(out, lse)`` as :func:`window_attention` gives them, for one query row per
-    sequence, every row at ``position`` (``>= 0``) and no padding, computed branch by
-    branch: each branch that selects the query is one attention call of the heads it
-    counts against its selected keys (a strided view: every ``r``-th key of the
-    segment), and the branches are merged by their log-sum-exps. It reads only the
-    keys each head attends to, where a window reads every head's whole window: fewer
-    bytes once the window is long, more calls. ``None`` where grouped-query heads map
-    to key heads no view expresses (the window then serves)."""
-    batch, _, num_heads, dim = q.shape
-    groups = num_heads // k.shape[1]
-    queries, end = contiguous_last_dim(q).transpose(1, 2), k.shape[2]  # the query's own key is slot end - 1
-    k, v = contiguous_last_dim(k), contiguous_last_dim(v)
-    out = lse = None
+def _phase_groups(tables: DecodeTables, positions: Sequence[int]):
+    """Per branch ``(w, r, chosen, heads_by_phase, groups)``, ``groups`` mapping each
+    phase some row's query has in its segment to ``{row: keys}`` (how many keys that
+    row's query attends in the branch); rows at negative positions are in none."""
     for (w, r, _, chosen), heads_by_phase in zip(tables.branches, tables.query_heads):
-        into = position % w
-        phase = into % r
-        heads = heads_by_phase[phase] if phase < len(heads_by_phase) else None
-        if heads is None:
-            continue
-        kv, _, gathered = key_heads(heads.indices(num_heads), groups)
-        if gathered is not None:
-            return None
-        keys = slice(end - 1 - into + phase, end, r)
-        o, l = _aten._scaled_dot_product_flash_attention_for_cpu(
-            queries[:, heads], k[:, slice(*kv), keys], v[:, slice(*kv), keys], 0.0, False, scale=scale
-        )
-        if out is None and chosen[phase] == tables.every_head and tables.out_scale == 1.0:
-            out, lse = o.to(accumulator(q.dtype)), l
-            continue
-        if out is None:
-            out = q.new_zeros(batch, num_heads, 1, dim, dtype=accumulator(q.dtype))
-            lse = torch.full((batch, num_heads, 1), -math.inf, dtype=l.dtype, device=q.device)
-        merge_into(out[:, heads], lse[:, heads], o, l, tables.out_scale)
-    if out is None:  # no branch selects the query for any head
+        groups: dict[int, dict[int, int]] = {}
+        for row, position in enumerate(positions):
+            if position >= 0:
+                into = position % w
+                phase = into % r
+                if phase < len(chosen) and chosen[phase]:
+                    groups.setdefault(phase, {})[row] = into // r + 1
+        yield w, r, chosen, heads_by_phase, groups
+
+
+def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int],
+                     tables: DecodeTables, scale: float):
+    """``(out, lse)`` as :func:`window_attention` gives them, for one query row per
+    sequence at ``positions`` (no padding mask), computed branch by branch: for each
+    branch and each phase the rows' queries have in their segments, one attention call
+    of the heads that count it against the branch's selected keys, every ``r``-th key
+    back from the query (a strided view, shared by every row of that phase: a row's
+    keys before its segment's start are masked), the calls merged by their
+    log-sum-exps. It reads only the keys each head attends to, where a window reads
+    every head's whole window: fewer bytes once windows are long, more calls. ``None``
+    where grouped-query heads map to key heads no view expresses (the window then
+    serves)."""
+    batch, _, num_heads, dim = q.shape
+    groups_per_kv = num_heads // k.shape[1]
+    queries, end = contiguous_last_dim(q).transpose(1, 2), k.shape[2]  # each query's own key is slot end - 1
+    k, v = contiguous_last_dim(k), contiguous_last_dim(v)
+    acc = accumulator(q.dtype)
+    out = lse = None
+    for w, r, chosen, heads_by_phase, groups in _phase_groups(tables, positions):
+        for phase, members in groups.items():
+            heads = heads_by_phase[phase]
+            kv, _, gathered = key_heads(heads.indices(num_heads), groups_per_kv)
+            if gathered is not None:
+                return None
+            longest = max(members.values())
+            keys = slice(end - 1 - (longest - 1) * r, end, r)
+            mask = None
+            if len(members) < batch or min(members.values()) < longest:  # other rows' keys: masked
+                counts = torch.tensor([members.get(row, 0) for row in range(batch)], device=q.device)
+                columns = torch.arange(longest, device=q.device)
+                mask = torch.where(columns >= longest - counts[:, None], 0.0, -math.inf).to(acc)[:, None, None, :]
+            o, l = _aten._scaled_dot_product_flash_attention_for_cpu(
+                queries[:, heads], k[:, slice(*kv), keys], v[:, slice(*kv), keys], 0.0, False, attn_mask=mask,
+                scale=scale,
+            )
+            if mask is not None:  # the kernel gives rows with no key lse 0
+                l = l.masked_fill(torch.isneginf(mask[:, :, :, -1:]).view(batch, 1, 1), -math.inf)
+            if out is None and mask is None and chosen[phase] == tables.every_head and tables.out_scale == 1.0:
+                out, lse = o.to(acc), l
+                continue
+            if out is None:
+                out = q.new_zeros(batch, num_heads, 1, dim, dtype=acc)
+                lse = torch.full((batch, num_heads, 1), -math.inf, dtype=l.dtype, device=q.device)
+            merge_into(out[:, heads], lse[:, heads], o, l, tables.out_scale)
+    if out is None:  # no branch selects any query for any head
         out = q.new_zeros(batch, num_heads, 1, dim)
-        lse = torch.full((batch, num_heads, 1), -math.inf, dtype=accumulator(q.dtype), device=q.device)
+        lse = torch.full((batch, num_heads, 1), -math.inf, dtype=acc, device=q.device)
     return out.to(q.dtype).transpose(1, 2), lse.transpose(1, 2)
 
 
 def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: Sequence[int],
                 tables: DecodeTables, scale: float, padding: Optional[torch.Tensor] = None):
     """:func:`window_attention`, or :func:`branch_attention` where it reads far fewer
-    keys (one query row at one position, a window much longer than what the heads
-    attend to): the cheaper of two exact ways."""
-    rows, num_heads, num_keys = q.shape[1], q.shape[2], k.shape[2]
-    if rows == 1 and padding is None and len(set(key_positions)) == 1:
-        position = key_positions[0] + num_keys - 1
-        if position >= 0 and tables.prefers_branches(position, num_heads):
-            result = branch_attention(q, k, v, position, tables, scale)
-            if result is not None:
-                return result
+    keys (one query row per sequence, windows much longer than what the heads attend
+    to): the cheaper of two exact ways. Rows at different positions (a left-padded
+    batch) take one call together, or one row at a time where their phases differ
+    enough that shared calls would read far more than each row alone."""
+    batch, rows, num_heads, _ = q.shape
+    if rows > 1 or padding is not None:
+        return window_attention(q, k, v, key_positions, tables, scale, padding)
+    positions = [p + k.shape[2] - 1 for p in key_positions]
+    window, branches = tables.costs(positions, num_heads)
+    if batch > 1 and len(set(positions)) > 1:
+        window *= DISTINCT_FACTOR  # one bias per row to build and read
+        branches *= DISTINCT_FACTOR  # a key mask per call, rows of other phases computed and dropped
+        alone = sum(min(tables.costs([p], num_heads)) for p in positions) + ROW_STEP_COST * batch
+        if alone < min(window, branches):
+            parts = [attend_step(q[b : b + 1], k[b : b + 1], v[b : b + 1], key_positions[b : b + 1], tables, scale)
+                     for b in range(batch)]
+            return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
+    if branches < window:
+        result = branch_attention(q, k, v, positions, tables, scale)
+        if result is not None:
+            return result
     return window_attention(q, k, v, key_positions, tables, scale, padding)
+
+
+def ring_counts(segment_lengths: tuple[int, ...], rates: tuple[int, ...], offsets: torch.Tensor,
+                key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+    """How many branches count each (row, head, query, key): ``(B, H, Lq, C)`` float32,
+    for keys at ``key_positions`` ``(B, C)`` in any order (slots of a ring; a negative
+    position never counts) and queries at ``query_positions`` ``(B, Lq)``; ``offsets``
+    ``(G, H)`` int64 (``-1``: the head does not run the branch). The same arithmetic on
+    tensors of the same shapes whatever the positions: what ``torch.compile`` and CUDA
+    graphs need (:class:`dilated_attention.StaticKVCache`)."""
+    keys = key_positions[:, None, None, :]
+    queries = query_positions[:, None, :, None]
+    count = torch.zeros((), device=keys.device)
+    for w, r, offset in zip(segment_lengths, rates, offsets):
+        start = torch.div(queries, w, rounding_mode="floor") * w  # the query's segment
+        heads = offset.view(1, -1, 1, 1)
+        counted = (keys >= start) & (keys <= queries) & (queries >= 0)
+        counted = counted & ((queries - start) % r == heads) & ((keys - start) % r == heads)
+        count = count + counted.float()
+    return count

@@ -1,13 +1,26 @@
-"""Decoding speed and memory: :class:`DilatedKVCache` against a dense KV cache.
+"""Decoding speed and memory: dilated attention's caches against the fastest dense
+decoding PyTorch offers on the device.
 
-At each position ``P`` both caches hold the state after ``P`` tokens, then take one
-token at a time. The dilated cache is started at the latest common segment boundary
-at most ``lcm(segment_lengths)`` before ``P`` (it never needs anything earlier, so its
-state is that of a cache fed from position 0) and timed over ``steps`` tokens: a
-whole cycle of segment phases when ``steps = lcm(segment_lengths)``, so its mean is
-the long-run cost per token. The dense cache (PyTorch SDPA of one query over every
-cached key, the new key and value written into preallocated buffers) is timed over
-``dense_steps`` tokens: its cost does not depend on the phase.
+At each position ``P`` every cache holds the state after ``P`` tokens, then takes
+one token per sequence per step. Three batches: one sequence; ``B`` sequences at one
+position; ``B`` sequences left-padded to different lengths (each row ``p_b`` tokens
+of padding before its first token, so its positions are ``P - p_b``).
+
+- ``dilated``: :class:`DilatedKVCache` (its lean decode path). It is started at the
+  latest common segment boundary at most ``lcm(segment_lengths)`` before ``P`` (it
+  never needs anything earlier, so its state is that of a cache fed from position 0)
+  and timed over ``steps`` tokens: the mean of a whole cycle of segment phases when
+  ``steps = lcm(segment_lengths)``, the long-run cost per token.
+- ``dense``: keys and values preallocated for every position to come (static
+  shapes), each step writes its row and runs PyTorch's SDPA over the cache's filled
+  part; left-padded rows add a boolean key mask (SDPA's fastest masked path). On
+  CUDA the FlashAttention backend is forced where there is no mask. Timed over
+  ``dense_steps`` tokens (its cost does not depend on the phase).
+- On CUDA also ``dilated-graph`` and ``dense-graph``: one step captured in a CUDA
+  graph and replayed: :class:`StaticKVCache` (a fixed ring of ``max(w) - 1``
+  positions) and a dense cache of a fixed length with a length mask.
+
+Times are per token (a step's time over the batch).
 """
 
 from __future__ import annotations
@@ -15,18 +28,24 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from .benchmark import _seconds, _synchronize, machine_info
 from .cache import DilatedKVCache
 from .plotting import log_log, pyplot, save
+from .static_cache import StaticKVCache
+
+# Dense caches larger than this are not measured (they would not fit such a machine).
+MAX_DENSE_BYTES = 8 * 2**30
+# Left-padded batches are measured up to this position (each is fed from its start).
+MAX_PADDED_POSITION = 65536
 
 
 @dataclass
 class DecodeConfig:
-    positions: Sequence[int] = (4096, 65536, 1048576)
+    positions: Sequence[int] = (1, 1024, 4096, 8192, 65536, 1048576)
     segment_lengths: Sequence[int] = (2048, 4096, 8192)
     dilation_rates: Sequence[int] = (1, 2, 4)
     heads: int = 8
@@ -35,14 +54,17 @@ class DecodeConfig:
     device: str = "cpu"
     steps: int = 8192
     dense_steps: int = 16
+    batch: int = 8  # the size of the two batched runs (the third is one sequence)
 
 
 @dataclass
 class DecodeRow:
     impl: str
+    batch: str  # "1", "B equal", "B padded"
     position: int
-    ms_per_token: float
+    ms_per_token: Optional[float]
     cache_bytes: int
+    note: str = ""
 
 
 @dataclass
@@ -52,83 +74,187 @@ class DecodeResult:
     rows: list[DecodeRow] = field(default_factory=list)
 
 
-def _token(cfg: DecodeConfig, generator: torch.Generator) -> torch.Tensor:
+def _tokens(cfg: DecodeConfig, batch: int, count: int, generator: torch.Generator) -> list[torch.Tensor]:
     dtype = getattr(torch, cfg.dtype)
-    return torch.randn(1, 1, cfg.heads, cfg.head_dim, generator=generator).to(cfg.device, dtype)
+    return [torch.randn(batch, 1, cfg.heads, cfg.head_dim, generator=generator).to(cfg.device, dtype)
+            for _ in range(count)]
 
 
-def dilated_step_time(cfg: DecodeConfig, position: int) -> DecodeRow:
-    """Mean time per token of ``cfg.steps`` one-token steps from ``position`` on."""
+def padding_of(cfg: DecodeConfig, batch: int, position: int) -> list[int]:
+    """The left padding of each row of a padded batch at ``position``: spread over up
+    to an eighth of the position (0 for the first row)."""
+    return [row * (position // 8) // max(batch - 1, 1) for row in range(batch)]
+
+
+def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> DecodeRow:
+    """Mean time per token of ``cfg.steps`` steps of a :class:`DilatedKVCache` from
+    ``position`` on, its rows left-padded by ``pads``."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     cycle = math.lcm(*cfg.segment_lengths)
-    start = max(0, (position // cycle - 1) * cycle)
-    cache = DilatedKVCache(1, cfg.heads, cfg.head_dim, cfg.segment_lengths, cfg.dilation_rates,
-                           start=start, dtype=dtype, device=device)
+    # A left-padded batch is fed every position from its padding on (positive starts
+    # must be segment boundaries, which a padded row's state is not at); the others
+    # from the latest common boundary a cycle before, which gives the same state.
+    start = 0 if any(pads) else max(0, (position // cycle - 1) * cycle)
+    batch = len(pads)
+    cache = DilatedKVCache(batch, cfg.heads, cfg.head_dim, cfg.segment_lengths, cfg.dilation_rates,
+                           start=torch.tensor([start - p for p in pads]), dtype=dtype, device=device)
     generator = torch.Generator().manual_seed(position)
-    history = torch.randn(1, position - start, cfg.heads, cfg.head_dim, generator=generator).to(device, dtype)
-    tokens = [_token(cfg, generator) for _ in range(min(cfg.steps, 64))]
+    tokens = _tokens(cfg, batch, min(cfg.steps, 64), generator)
     with torch.no_grad():
-        cache.attend(history, history, history)
+        chunk = max(cfg.segment_lengths)
+        for at in range(start, position, chunk):
+            history = torch.randn(batch, min(chunk, position - at), cfg.heads, cfg.head_dim, generator=generator)
+            history = history.to(device, dtype)
+            cache.attend(history, history, history)
         _synchronize(device)
-        times = []
-        for step in range(cfg.steps):
-            token = tokens[step % len(tokens)]
-            times.append(_seconds(lambda: cache.attend(token, token, token), device))
-    return DecodeRow("dilated", position, 1e3 * statistics.fmean(times), cache.nbytes)
+        times = [_seconds(lambda t=tokens[i % len(tokens)]: cache.attend(t, t, t), device) for i in range(cfg.steps)]
+    return DecodeRow("dilated", _batch_name(pads), position, 1e3 * statistics.fmean(times) / batch, cache.nbytes)
 
 
-def dense_step_time(cfg: DecodeConfig, position: int) -> DecodeRow:
-    """Median time per token of a dense KV cache's one-token steps from ``position`` on."""
+def dense_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> DecodeRow:
+    """Median time per token of a dense preallocated cache's steps from ``position`` on."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    batch, length = len(pads), position + cfg.dense_steps
+    size = (batch, cfg.heads, length, cfg.head_dim)
+    nbytes = 2 * math.prod(size) * torch.empty((), dtype=dtype).element_size()
+    if nbytes > MAX_DENSE_BYTES:
+        return DecodeRow("dense", _batch_name(pads), position, None, nbytes, "skipped: the cache would not fit")
     generator = torch.Generator().manual_seed(position)
-    size = (1, cfg.heads, position + cfg.dense_steps, cfg.head_dim)
     keys = torch.randn(size, generator=generator).to(device, dtype)
     values = torch.randn(size, generator=generator).to(device, dtype)
-    token = _token(cfg, generator).transpose(1, 2)  # (1, H, 1, D)
+    token = _tokens(cfg, batch, 1, generator)[0].transpose(1, 2)  # (B, H, 1, D)
+    padded = torch.arange(length, device=device)[None, :] < torch.tensor(pads, device=device)[:, None]
+    mask = None if not any(pads) else ~padded[:, None, None, :]  # True: attend
 
     def step(at: int):
         keys[:, :, at : at + 1] = token
         values[:, :, at : at + 1] = token
-        return torch.nn.functional.scaled_dot_product_attention(token, keys[:, :, : at + 1], values[:, :, : at + 1])
+        return _sdpa(token, keys[:, :, : at + 1], values[:, :, : at + 1],
+                     None if mask is None else mask[..., : at + 1])
 
     with torch.no_grad():
         step(position)
-        times = [_seconds(lambda: step(position + i), device) for i in range(cfg.dense_steps)]
-    return DecodeRow("dense", position, 1e3 * statistics.median(times), keys.nbytes + values.nbytes)
+        times = [_seconds(lambda i=i: step(position + i), device) for i in range(cfg.dense_steps)]
+    return DecodeRow("dense", _batch_name(pads), position, 1e3 * statistics.median(times) / batch, nbytes,
+                     _dense_backend(device, mask is not None))
+
+
+def _sdpa(q, k, v, mask):
+    """SDPA with PyTorch's fastest backend for the case: FlashAttention forced on CUDA
+    without a mask, its own choice otherwise."""
+    if q.device.type == "cuda" and mask is None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _dense_backend(device: torch.device, masked: bool) -> str:
+    if device.type == "cuda":
+        return "SDPA, boolean key mask" if masked else "SDPA, FlashAttention forced"
+    return "SDPA (CPU flash), boolean key mask" if masked else "SDPA (CPU flash)"
+
+
+def graph_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int], impl: str) -> DecodeRow:
+    """CUDA only: time per token of one step captured in a CUDA graph and replayed:
+    ``dilated-graph`` (:class:`StaticKVCache`) or ``dense-graph`` (a dense cache of a
+    fixed length, attending through a length mask updated in place)."""
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    batch = len(pads)
+    generator = torch.Generator().manual_seed(position)
+    inputs = _tokens(cfg, batch, 3, generator)
+    if impl == "dilated-graph":
+        cache = StaticKVCache(batch, cfg.heads, cfg.head_dim, cfg.segment_lengths, cfg.dilation_rates,
+                              start=torch.tensor([position - p for p in pads]), dtype=dtype, device=device)
+        step: Callable[[], object] = lambda: cache.attend(*inputs)  # noqa: E731
+        nbytes = cache.nbytes
+    else:
+        length = position + cfg.dense_steps
+        size = (batch, cfg.heads, length, cfg.head_dim)
+        nbytes = 2 * math.prod(size) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > MAX_DENSE_BYTES:
+            return DecodeRow(impl, _batch_name(pads), position, None, nbytes, "skipped: the cache would not fit")
+        keys, values = (torch.randn(size, generator=generator).to(device, dtype) for _ in range(2))
+        at = torch.tensor([position], device=device)
+        columns = torch.arange(length, device=device)
+        first = torch.tensor(pads, device=device)[:, None, None, None]
+        token = inputs[0].transpose(1, 2)
+
+        def step():
+            keys.index_copy_(2, at, token)
+            values.index_copy_(2, at, token)
+            mask = (columns >= first) & (columns <= at)  # (B, 1, 1, length): the filled, unpadded keys
+            out = torch.nn.functional.scaled_dot_product_attention(token, keys, values, attn_mask=mask)
+            at.add_(1)
+            return out
+
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        times = [_seconds(graph.replay, device) for _ in range(cfg.dense_steps)]
+    return DecodeRow(impl, _batch_name(pads), position, 1e3 * statistics.median(times) / batch, nbytes,
+                     "CUDA graph" + ("" if impl == "dilated-graph" else ", SDPA over a fixed length, length mask"))
+
+
+def _batch_name(pads: Sequence[int]) -> str:
+    return "1" if len(pads) == 1 else f"{len(pads)} {'padded' if any(pads) else 'equal'}"
 
 
 def run(cfg: DecodeConfig, progress=print) -> DecodeResult:
     result = DecodeResult(cfg, machine_info(torch.device(cfg.device)))
+    measures = [dilated_step_time, dense_step_time]
+    if cfg.device == "cuda":
+        measures += [lambda c, p, pads, impl=impl: graph_step_time(c, p, pads, impl)
+                     for impl in ("dilated-graph", "dense-graph")]
     for position in cfg.positions:
-        for measure in (dilated_step_time, dense_step_time):
-            row = measure(cfg, position)
-            result.rows.append(row)
-            progress(f"{row.impl:8} position {row.position:>9,}: {row.ms_per_token:8.3f} ms/token, "
-                     f"cache {row.cache_bytes / 2**20:10.1f} MiB")
+        padded = padding_of(cfg, cfg.batch, position)
+        fed = any(padded) and position <= MAX_PADDED_POSITION  # a padded batch is fed from its start
+        for pads in [[0], [0] * cfg.batch] + ([padded] if fed else []):
+            for measure in measures:
+                row = measure(cfg, position, pads)
+                result.rows.append(row)
+                shown = "-" if row.ms_per_token is None else f"{row.ms_per_token:8.4f}"
+                progress(f"{row.impl:13} B={row.batch:9} position {row.position:>9,}: {shown} ms/token, "
+                         f"cache {row.cache_bytes / 2**20:10.1f} MiB {row.note}")
     return result
 
 
 def format_table(result: DecodeResult) -> str:
     cfg = result.config
     lines = [
-        f"decode, one token per step: device {cfg.device} ({result.machine.get('gpu', result.machine['cpu'])}), "
-        f"{result.machine['threads']} threads, {cfg.dtype}, B=1 H={cfg.heads} D={cfg.head_dim}, "
+        f"decode, one token per sequence per step: device {cfg.device} "
+        f"({result.machine.get('gpu', result.machine['cpu'])}), {result.machine['threads']} threads, "
+        f"torch {result.machine['torch']}, {cfg.dtype}, H={cfg.heads} D={cfg.head_dim}, "
         f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}",
-        f"dilated: mean over {cfg.steps} steps; dense: median over {cfg.dense_steps} steps (SDPA over the whole cache)",
+        f"ms per token (a step's time over its batch); dilated: mean over {cfg.steps} steps from the position; "
+        f"dense: median over {cfg.dense_steps} steps; padded: row b left-padded by b/(B-1) of an eighth of the "
+        "position",
         "",
-        f"{'position':>10} {'dilated ms':>11} {'dense ms':>9} {'dense/dilated':>13} "
-        f"{'dilated MiB':>12} {'dense MiB':>10}",
     ]
-    by_position: dict[int, dict[str, DecodeRow]] = {}
+    impls = list(dict.fromkeys(r.impl for r in result.rows))
+    lines.append(f"{'batch':>10} {'position':>10} " + " ".join(f"{i:>13}" for i in impls) + f" {'dense/dilated':>13}")
+    table: dict[tuple[str, int], dict[str, DecodeRow]] = {}
     for row in result.rows:
-        by_position.setdefault(row.position, {})[row.impl] = row
-    for position, rows in by_position.items():
-        ours, dense = rows["dilated"], rows["dense"]
-        lines.append(
-            f"{position:>10,} {ours.ms_per_token:>11.3f} {dense.ms_per_token:>9.3f} "
-            f"{dense.ms_per_token / ours.ms_per_token:>13.2f} {ours.cache_bytes / 2**20:>12.1f} "
-            f"{dense.cache_bytes / 2**20:>10.1f}"
-        )
+        table.setdefault((row.batch, row.position), {})[row.impl] = row
+    for (batch, position), rows in table.items():
+        cells = [rows.get(i) for i in impls]
+        shown = [f"{'-':>13}" if r is None or r.ms_per_token is None else f"{r.ms_per_token:>13.4f}" for r in cells]
+        ours, dense = rows.get("dilated"), rows.get("dense")
+        ratio = (dense.ms_per_token / ours.ms_per_token if ours and dense and ours.ms_per_token and dense.ms_per_token
+                 else None)
+        lines.append(f"{batch:>10} {position:>10,} " + " ".join(shown) + (f" {ratio:>13.2f}" if ratio else ""))
+    backends = sorted({f"{r.impl}: {r.note}" for r in result.rows if r.note and not r.note.startswith("skipped")})
+    memory = sorted({(r.impl, r.position, r.cache_bytes) for r in result.rows if r.batch == "1"})
+    lines += ["", "dense backends: " + "; ".join(backends) if backends else ""]
+    lines += ["cache MiB at B=1: " + ", ".join(f"{i} {p:,}: {b / 2**20:.1f}" for i, p, b in memory)]
     return "\n".join(lines)
 
 
@@ -137,14 +263,15 @@ def to_json(result: DecodeResult) -> dict:
 
 
 def plot(result: DecodeResult, path: str) -> None:
-    """Time per token and cache memory against the position, log-log."""
+    """Time per token (one sequence) and cache memory against the position, log-log."""
     plt = pyplot()
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for impl, style in (("dilated", "o-"), ("dense", "s--")):
-        rows = [r for r in result.rows if r.impl == impl]
-        positions = [r.position for r in rows]
-        ax_t.plot(positions, [r.ms_per_token for r in rows], style, label=impl)
-        ax_m.plot(positions, [r.cache_bytes / 2**20 for r in rows], style, label=impl)
+    for impl, style in (("dilated", "o-"), ("dense", "s--"), ("dilated-graph", "^-"), ("dense-graph", "v--")):
+        rows = [r for r in result.rows if r.impl == impl and r.batch == "1" and r.ms_per_token is not None]
+        if rows:
+            positions = [max(r.position, 1) for r in rows]
+            ax_t.plot(positions, [r.ms_per_token for r in rows], style, label=impl)
+            ax_m.plot(positions, [r.cache_bytes / 2**20 for r in rows], style, label=impl)
     log_log([(ax_t, "time per token (ms)"), (ax_m, "KV cache (MiB)")], "position (tokens seen)", legend_size=8)
     cfg = result.config
     save(fig, path, f"decoding one token at a time, {cfg.device}, {cfg.dtype}, H={cfg.heads} D={cfg.head_dim}, "

@@ -9,6 +9,7 @@ from torch import nn
 
 from . import validation
 from .cache import DilatedKVCache, check_batch
+from .static_cache import StaticKVCache
 from .functional import dilated_attention
 from .ordering import ORDERS, apply, grid_order, invert
 
@@ -210,25 +211,32 @@ class MultiheadDilatedAttention(nn.Module):
     def set_extra_state(self, state) -> None:
         _refuse_mismatch(self, dict(state), self.get_extra_state())
 
-    def new_cache(self, batch: int, *, start=0, dtype=None, device=None) -> DilatedKVCache:
+    def new_cache(self, batch: int, *, start=0, dtype=None, device=None, static: bool = False,
+                  max_chunk: int = 1):
         """An empty :class:`dilated_attention.DilatedKVCache` for ``batch`` sequences that
-        matches this module's heads and attention; see its ``start`` for left padding.
-        ``dtype`` defaults to that of the projections' output (the autocast dtype
-        inside ``torch.autocast``, else the parameters'), ``device`` to the parameters'."""
+        matches this module's heads and attention (with ``static``, a
+        :class:`dilated_attention.StaticKVCache` taking up to ``max_chunk`` positions a
+        call, for ``torch.compile`` and CUDA graphs); see its ``start`` for left
+        padding. ``dtype`` defaults to that of the projections' output (the autocast
+        dtype inside ``torch.autocast``, else the parameters'), ``device`` to the
+        parameters'."""
         weight = self.q_proj.weight
         if dtype is None and torch.is_autocast_enabled(weight.device.type):
             dtype = torch.get_autocast_dtype(weight.device.type)
         attention = self.attention
-        return DilatedKVCache(
+        kind, extra = (StaticKVCache, {"max_chunk": max_chunk}) if validation.check_flag(static, "static") else (
+            DilatedKVCache, {})
+        return kind(
             batch, self.num_heads, self.embed_dim // self.num_heads, attention.segment_lengths,
             attention.dilation_rates, mode=attention.mode, head_offsets=attention.head_offsets,
             softmax_scale=attention.softmax_scale, start=start, dtype=dtype or weight.dtype,
-            device=weight.device if device is None else device,
+            device=weight.device if device is None else device, **extra,
         )
 
     def _check_cache(self, cache, batch: int, is_causal, key_padding_mask, process_group) -> None:
-        if not isinstance(cache, DilatedKVCache):
-            raise TypeError(f"cache must be a DilatedKVCache (see new_cache), got {validation.type_name(cache)}")
+        if not isinstance(cache, (DilatedKVCache, StaticKVCache)):
+            raise TypeError(f"cache must be a DilatedKVCache or StaticKVCache (see new_cache), got "
+                            f"{validation.type_name(cache)}")
         check_batch(cache.shape[0], batch, "query")
         if not is_causal or key_padding_mask is not None or process_group is not None:
             raise ValueError(

@@ -138,13 +138,18 @@ class LongNetLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def new_cache(self, batch_size: int, *, start=0, dtype=None, device=None) -> LongNetCache:
+    def new_cache(self, batch_size: int, *, start=0, dtype=None, device=None, static: bool = False,
+                  max_chunk: int = 1) -> LongNetCache:
         """An empty cache for ``batch_size`` sequences (dtype: by default that of the
         projections, the autocast dtype inside ``torch.autocast``; device: the
-        parameters'; ``start``: see :class:`dilated_attention.DilatedKVCache`)."""
-        return LongNetCache(
-            [block.attention.new_cache(batch_size, start=start, dtype=dtype, device=device) for block in self.blocks]
-        )
+        parameters'; ``start``: see :class:`dilated_attention.DilatedKVCache`;
+        ``static``: :class:`dilated_attention.StaticKVCache` layers taking up to
+        ``max_chunk`` tokens a call, for ``torch.compile`` and CUDA graphs)."""
+        return LongNetCache([
+            block.attention.new_cache(batch_size, start=start, dtype=dtype, device=device, static=static,
+                                      max_chunk=max_chunk)
+            for block in self.blocks
+        ])
 
     def forward(
         self,
@@ -188,6 +193,8 @@ class LongNetLM(nn.Module):
                 f"tokens must be int64 (or int32) token ids of shape (batch, seq_len >= 1), got {tokens.dtype} of "
                 f"shape {tuple(tokens.shape)}: convert ids with .long()"
             )
+        if torch.compiler.is_compiling():  # values are not read while tracing
+            return
         if tokens.numel() and not bool(((tokens >= 0) & (tokens < self.config.vocab_size)).all()):
             raise ValueError(
                 f"token ids must lie in [0, vocab_size={self.config.vocab_size}), got values from "

@@ -1,0 +1,157 @@
+"""``StaticKVCache``: a decode cache whose every step runs the same operations on
+tensors of the same shapes, for ``torch.compile(fullgraph=True)`` and CUDA graphs."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import validation
+from .decode import ring_counts
+from .kernels import accumulator
+from .plan import branch_table, window_start_needed
+
+# The position of a ring slot no key has filled yet: never attended.
+EMPTY = -(2**62)
+
+
+class StaticKVCache:
+    """Keys and values of ``batch`` sequences in a ring of fixed size, attended a few
+    positions at a time: what :class:`dilated_attention.DilatedKVCache` computes, with
+    every step the same tensor operations on the same shapes.
+
+    The ring holds ``max(segment_lengths) - 1 + max_chunk`` positions per sequence
+    (all a chunk of up to ``max_chunk`` rows may attend to); a new key overwrites the
+    slot of the position ``capacity`` before it. Positions live in a tensor on the
+    cache's device and advance in place, so that a loop of ``attend`` calls compiles
+    once under ``torch.compile(fullgraph=True)`` (also ``mode="reduce-overhead"``) and
+    a step can be captured in a CUDA graph (see the README's "Decoding"). Each step
+    attends over the whole ring, with the branches' pattern as a bias computed on the
+    device, so it costs the same at every position: :class:`DilatedKVCache` reads only
+    the window a step needs and is the faster one without compilation.
+
+    The arguments are :class:`DilatedKVCache`'s (``start`` left-pads the same way),
+    plus ``max_chunk``: the most positions one call takes.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        num_heads: int,
+        head_dim: int,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        *,
+        mode: str = "mixture",
+        head_offsets: str = "interleaved",
+        softmax_scale: Optional[float] = None,
+        start: Union[int, torch.Tensor] = 0,
+        max_chunk: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        for name, value in (("batch", batch), ("num_heads", num_heads), ("head_dim", head_dim),
+                            ("max_chunk", max_chunk)):
+            validation.check_positive_int(value, name)
+        if dtype not in validation.FLOAT_DTYPES.values():
+            raise ValueError(f"dtype must be float64, float32, bfloat16 or float16, got {dtype}")
+        self.segment_lengths, self.dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
+        self.mode = validation.check_mode(mode)
+        if self.mode == "head_groups":
+            validation.check_head_groups(num_heads, len(self.segment_lengths))
+        self.head_offsets = validation.check_head_offsets(head_offsets)
+        self.softmax_scale = validation.check_scale(softmax_scale, head_dim)
+        self._kernel_scale = validation.kernel_scale(self.softmax_scale, dtype)
+        self.shape = (int(batch), int(num_heads), int(head_dim))
+        self.max_chunk, self.dtype = int(max_chunk), dtype
+        self.device = torch.empty(0, device=device).device
+        table = branch_table(self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets)
+        self._branches = (table.segment_lengths, table.rates)
+        self._offsets = torch.tensor(table.offsets, dtype=torch.int64, device=self.device).T.contiguous()
+        self._out_scale = 1.0 if self.mode == "mixture" else 1.0 / len(self.segment_lengths)
+        self.capacity = min(max(self.segment_lengths), 2**40) - 1 + self.max_chunk
+        self.reset(start)
+
+    def reset(self, start: Union[int, torch.Tensor] = 0) -> None:
+        """Forget every position; the sequences start anew at ``start``. The tensors are
+        reset in place: a CUDA graph captured on this cache stays valid."""
+        starts = validation.check_positions(start, "start", self.shape[0], -validation.MAX_POSITION,
+                                            "positions are int64")
+        for s in starts:
+            if s > 0 and window_start_needed(s, self.segment_lengths) != s:
+                raise ValueError(f"start={s}: a sequence starting after position 0 must start at a multiple of "
+                                 f"every segment length {list(self.segment_lengths)}")
+        batch, heads, dim = self.shape
+        if getattr(self, "_k", None) is None:
+            ring = (batch, heads, self.capacity, dim)
+            self._k = torch.zeros(ring, dtype=self.dtype, device=self.device)
+            self._v = torch.zeros(ring, dtype=self.dtype, device=self.device)
+            self._key_positions = torch.empty(batch, self.capacity, dtype=torch.int64, device=self.device)
+            self._bad = torch.zeros(batch, heads, self.capacity, dtype=torch.bool, device=self.device)
+            self._next = torch.empty(batch, dtype=torch.int64, device=self.device)
+        for t in (self._k, self._v, self._bad):
+            t.zero_()
+        self._key_positions.fill_(EMPTY)
+        self._next.copy_(torch.tensor(starts, dtype=torch.int64))
+
+    @property
+    def position(self) -> torch.Tensor:
+        """``(B,)`` int64: the position of each sequence's next token (a copy)."""
+        return self._next.clone()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value rings (fixed)."""
+        return 2 * self._k.numel() * self._k.element_size()
+
+    def max_nbytes(self, chunk: int = 1) -> int:
+        """:attr:`nbytes`: the rings never grow."""
+        return self.nbytes
+
+    def reorder(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (``(B',)`` ints, repeats allowed), in that order."""
+        integer = isinstance(indices, torch.Tensor) and indices.dtype in (torch.int32, torch.int64)
+        if not integer or indices.dim() != 1 or not len(indices) or not 0 <= int(indices.min()) <= int(
+                indices.max()) < self.shape[0]:
+            raise ValueError(f"indices must be a 1-D integer tensor of sequence indices in [0, {self.shape[0]})")
+        index = indices.to(self.device)
+        for name in ("_k", "_v", "_key_positions", "_bad", "_next"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        self.shape = (len(indices), *self.shape[1:])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The causal dilated attention output ``(B, L, H, D)`` of the next ``L <=
+        max_chunk`` positions of every sequence, given their ``q, k, v`` ``(B, L, H, D)``."""
+        batch, heads, dim = self.shape
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != self.shape:
+                raise ValueError(f"{name} must be a tensor of shape (batch={batch}, L, heads={heads}, "
+                                 f"head_dim={dim})")
+            if not 1 <= t.shape[1] <= self.max_chunk or t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(f"{name} must hold 1 to max_chunk={self.max_chunk} positions, {self.dtype} on "
+                                 f"{self.device}, got {t.shape[1]}, {t.dtype} on {t.device}")
+        length = q.shape[1]
+        queries = self._next[:, None] + torch.arange(length, device=self.device)  # (B, L)
+        slots = queries % self.capacity
+        bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1)).transpose(1, 2)  # (B, H, L)
+        index = slots[:, None, :, None].expand(batch, heads, length, dim)
+        for ring, new in ((self._k, k), (self._v, v)):
+            ring.scatter_(2, index, new.detach().transpose(1, 2).masked_fill(bad[..., None], 0.0))
+        self._key_positions.scatter_(1, slots, queries)
+        self._bad.scatter_(2, slots[:, None, :].expand(batch, heads, length), bad)
+        count = ring_counts(*self._branches, self._offsets, self._key_positions, queries)  # (B, H, L, C)
+        attended = count > 0
+        # In float32 (float64) whatever the dtype: log(2) for a key two branches count stays exact.
+        acc = accumulator(self.dtype)
+        scores = torch.matmul(q.transpose(1, 2).to(acc), self._k.to(acc).transpose(-1, -2)) * self._kernel_scale
+        weights = torch.softmax(scores + count.to(acc).sub(1).log1p(), dim=-1)
+        out = torch.matmul(weights.nan_to_num(0.0), self._v.to(acc))
+        # The definition's rules: a row with no key outputs 0, one a non-finite value
+        # reaches (its query, or a key it attends) outputs NaN.
+        some = attended.any(-1)
+        reached = (attended & self._bad[:, :, None, :]).any(-1) | ~torch.isfinite(q).all(-1).transpose(1, 2)
+        out = out.masked_fill((reached & some)[..., None], math.nan).masked_fill(~some[..., None], 0.0)
+        self._next += length
+        return (out * self._out_scale).to(self.dtype).transpose(1, 2)

@@ -1,0 +1,123 @@
+"""StaticKVCache: the same rows as the reference, with fixed shapes, and a decode
+loop that compiles once under torch.compile(fullgraph=True)."""
+
+import pytest
+import torch
+import torch._dynamo
+from helpers import configs, poison, random_inputs, split_config
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dilated_attention import DilatedKVCache, StaticKVCache, reference_dilated_attention
+from dilated_attention.check import TOLERANCES, max_relative_error
+from dilated_attention.models import LongNetConfig, LongNetLM
+
+
+def static_cache(cfg, attn, pads, max_chunk, dtype=torch.float64):
+    return StaticKVCache(cfg["batch"], cfg["heads"], cfg["head_dim"], attn["segment_lengths"],
+                         attn["dilation_rates"], mode=attn["mode"], head_offsets=attn["head_offsets"],
+                         softmax_scale=attn["softmax_scale"], start=torch.tensor([-p for p in pads]),
+                         max_chunk=max_chunk, dtype=dtype)
+
+
+def feed(cache, tensors, sizes):
+    out, at = [], 0
+    for size in sizes:
+        out.append(cache.attend(*(t[:, at : at + size] for t in tensors)))
+        at += size
+    return torch.cat(out, 1)
+
+
+@st.composite
+def chunks(draw, total, most):
+    sizes = []
+    while sum(sizes) < total:
+        sizes.append(draw(st.integers(1, min(most, total - sum(sizes)))))
+    return sizes
+
+
+@given(configs(max_len=36), st.integers(1, 4), st.data())
+def test_static_rows_are_the_whole_sequence_rows(cfg, max_chunk, data):
+    """Every chunking up to max_chunk, left padding per sequence, NaN and infinities:
+    row for row the reference on each sequence."""
+    cfg = dict(cfg, is_causal=True, masked=False)
+    inputs, attn = split_config(cfg)
+    tensors = [t.detach().clone() for t in random_inputs(**inputs)[0]]
+    if data.draw(st.booleans()):
+        poison(data, tensors, most=2)
+    pads = [data.draw(st.integers(0, cfg["seq_len"] - 1)) for _ in range(cfg["batch"])]
+    cache = static_cache(cfg, attn, pads, max_chunk)
+    out = feed(cache, tensors, data.draw(chunks(cfg["seq_len"], max_chunk)))
+    for row, pad in enumerate(pads):
+        ref, _ = reference_dilated_attention(*(t[row : row + 1, pad:] for t in tensors), **attn)
+        assert max_relative_error(out[row : row + 1, pad:], ref) <= 1e-10
+        assert torch.all(out[row, :pad] == 0)
+    assert cache.position.tolist() == [cfg["seq_len"] - p for p in pads]
+
+
+@given(configs(max_len=30), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_static_low_precision(cfg, dtype):
+    cfg = dict(cfg, is_causal=True, masked=False, softmax_scale=None)
+    inputs, attn = split_config(cfg)
+    tensors = [t.detach() for t in random_inputs(dtype=dtype, **inputs)[0]]
+    out = feed(static_cache(cfg, attn, [0] * cfg["batch"], 1, dtype), tensors, [1] * cfg["seq_len"])
+    ref, _ = reference_dilated_attention(*(t.double() for t in tensors), **attn)
+    assert out.dtype == dtype and max_relative_error(out, ref) <= TOLERANCES[dtype]
+
+
+def test_a_compiled_decode_loop_compiles_once():
+    """More steps than dynamo's recompile limit (8): positions live in a tensor, so
+    the graph never specialises on them; every output equals the eager cache's."""
+    gen = torch.Generator().manual_seed(2)
+    batch, steps, heads, dim = 2, 24, 4, 8
+    q, k, v = (torch.randn(batch, steps, heads, dim, generator=gen) for _ in range(3))
+
+    def make():
+        return StaticKVCache(batch, heads, dim, [4, 8, 16], [1, 2, 4], start=torch.tensor([0, -3]))
+
+    eager, compiled = make(), make()
+    step = torch.compile(compiled.attend, fullgraph=True, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    for i in range(steps):
+        rows = (q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1])
+        assert torch.equal(step(*rows), eager.attend(*rows))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert compiled.position.tolist() == [steps, steps - 3]
+
+
+def test_a_compiled_model_decodes_with_a_static_cache_as_the_eager_one():
+    model = LongNetLM(LongNetConfig(vocab_size=50, dim=32, depth=2, heads=4, ffn_dim=48, segment_lengths=(4, 8),
+                                    dilation_rates=(1, 2))).eval()
+    tokens = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(tokens)
+        cache = model.new_cache(2, static=True)
+        step = torch.compile(lambda t: model(t, cache=cache), fullgraph=True, backend="aot_eager")
+        torch._dynamo.utils.counters.clear()
+        logits = torch.cat([step(tokens[:, i : i + 1]) for i in range(20)], 1)
+    assert max_relative_error(logits, expected) <= 1e-5
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_static_cache_matches_the_dynamic_one_and_reorders():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 30, 2, 4, generator=gen) for _ in range(3))
+    static, dynamic = StaticKVCache(3, 2, 4, [8, 16], [1, 2]), DilatedKVCache(3, 2, 4, [8, 16], [1, 2])
+    for cache in (static, dynamic):
+        for i in range(20):
+            cache.attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1])
+        cache.reorder(torch.tensor([2, 0]))
+    rows = (q[[2, 0], 20:21], k[[2, 0], 20:21], v[[2, 0], 20:21])
+    assert max_relative_error(static.attend(*rows), dynamic.attend(*rows)) <= 1e-5
+    assert static.position.tolist() == [21, 21] and static.nbytes == static.max_nbytes()
+
+
+def test_static_cache_refuses_what_it_cannot_take():
+    cache = StaticKVCache(1, 2, 4, [8], [1], max_chunk=2)
+    x = torch.randn(1, 3, 2, 4)
+    with pytest.raises(ValueError, match="1 to max_chunk=2 positions"):
+        cache.attend(x, x, x)
+    with pytest.raises(ValueError, match="shape \\(batch=1, L, heads=2, head_dim=4\\)"):
+        cache.attend(x[..., :3], x[..., :3], x[..., :3])
+    with pytest.raises(ValueError, match="max_chunk must be >= 1"):
+        StaticKVCache(1, 2, 4, [8], [1], max_chunk=0)
