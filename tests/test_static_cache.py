@@ -121,3 +121,5 @@ def test_static_cache_refuses_what_it_cannot_take():
         cache.attend(x[..., :3], x[..., :3], x[..., :3])
     with pytest.raises(ValueError, match="max_chunk must be >= 1"):
         StaticKVCache(1, 2, 4, [8], [1], max_chunk=0)
+    with pytest.raises(ValueError, match="use DilatedKVCache"):
+        StaticKVCache(1, 2, 4, [2**40], [1])

@@ -32,6 +32,42 @@ def check_batch(sequences: int, batch: int, name: str) -> None:
         )
 
 
+def configure(cache, batch, num_heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets,
+              softmax_scale, dtype, device) -> None:
+    """Check a cache's arguments and set its ``shape`` ``(B, H, D)``, branches, mode,
+    head offsets, ``softmax_scale`` (and the kernels' rounding of it), ``dtype`` and
+    ``device``: what both caches share."""
+    for name, value in (("batch", batch), ("num_heads", num_heads), ("head_dim", head_dim)):
+        validation.check_positive_int(value, name)
+    if dtype not in validation.FLOAT_DTYPES.values():
+        raise ValueError(f"dtype must be float64, float32, bfloat16 or float16, got {dtype}")
+    cache.segment_lengths, cache.dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
+    cache.mode = validation.check_mode(mode)
+    if cache.mode == "head_groups":
+        validation.check_head_groups(num_heads, len(cache.segment_lengths))
+    cache.head_offsets = validation.check_head_offsets(head_offsets)
+    cache.softmax_scale = validation.check_scale(softmax_scale, head_dim)
+    # refused here, not at the first attend, if too large
+    cache._kernel_scale = validation.kernel_scale(cache.softmax_scale, dtype)
+    cache.shape = (int(batch), int(num_heads), int(head_dim))
+    cache.dtype = dtype
+    cache.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
+
+
+def check_starts(start, batch: int, segment_lengths) -> list[int]:
+    """A cache's ``start``: one int per sequence, ``>= -2**62``; a positive one a
+    multiple of every segment length."""
+    starts = list(validation.check_positions(start, "start", batch, -validation.MAX_POSITION, "positions are int64"))
+    for s in starts:
+        if s > 0 and window_start_needed(s, segment_lengths) != s:
+            raise ValueError(
+                f"start={s}: a sequence starting after position 0 must start at a multiple of every "
+                f"segment length {list(segment_lengths)}, or its first queries would need keys "
+                "the cache never saw; start at 0, or at a negative position to left-pad"
+            )
+    return starts
+
+
 def _moved(t: torch.Tensor, capacity: int, kept: slice, dim: int) -> torch.Tensor:
     """A new zeroed buffer like ``t`` with ``capacity`` slots along ``dim``, holding
     ``t``'s slots ``kept`` at its start."""
@@ -94,22 +130,9 @@ class DilatedKVCache:
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
-        for name, value in (("batch", batch), ("num_heads", num_heads), ("head_dim", head_dim)):
-            validation.check_positive_int(value, name)
-        if dtype not in validation.FLOAT_DTYPES.values():
-            raise ValueError(f"dtype must be float64, float32, bfloat16 or float16, got {dtype}")
-        self.segment_lengths, self.dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
-        self.mode = validation.check_mode(mode)
-        if self.mode == "head_groups":
-            validation.check_head_groups(num_heads, len(self.segment_lengths))
-        self.head_offsets = validation.check_head_offsets(head_offsets)
-        self.softmax_scale = validation.check_scale(softmax_scale, head_dim)
-        # refused here, not at the first attend, if too large
-        self._kernel_scale = validation.kernel_scale(self.softmax_scale, dtype)
+        configure(self, batch, num_heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets,
+                  softmax_scale, dtype, device)
         self._sum_dtype = accumulator(dtype)
-        self.shape = (int(batch), int(num_heads), int(head_dim))
-        self.dtype = dtype
-        self.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
         self.reset(start)
 
     def reset(self, start: Union[int, torch.Tensor] = 0) -> None:
@@ -124,17 +147,7 @@ class DilatedKVCache:
         self._end = 0  # buffer slots [end - kept, end) hold a sequence's kept positions
 
     def _starts(self, start) -> list[int]:
-        starts = list(validation.check_positions(
-            start, "start", self.shape[0], -validation.MAX_POSITION, "positions are int64"
-        ))
-        for s in starts:
-            if s > 0 and window_start_needed(s, self.segment_lengths) != s:
-                raise ValueError(
-                    f"start={s}: a sequence starting after position 0 must start at a multiple of every "
-                    f"segment length {list(self.segment_lengths)}, or its first queries would need keys "
-                    "the cache never saw; start at 0, or at a negative position to left-pad"
-                )
-        return starts
+        return check_starts(start, self.shape[0], self.segment_lengths)
 
     @property
     def position(self) -> torch.Tensor:

@@ -9,12 +9,15 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import validation
+from .cache import check_starts, configure
 from .decode import ring_counts
 from .kernels import accumulator
-from .plan import branch_table, window_start_needed
+from .plan import branch_table
 
 # The position of a ring slot no key has filled yet: never attended.
 EMPTY = -(2**62)
+# The most positions a ring holds per sequence.
+MAX_CAPACITY = 2**24
 
 
 class StaticKVCache:
@@ -52,37 +55,24 @@ class StaticKVCache:
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
-        for name, value in (("batch", batch), ("num_heads", num_heads), ("head_dim", head_dim),
-                            ("max_chunk", max_chunk)):
-            validation.check_positive_int(value, name)
-        if dtype not in validation.FLOAT_DTYPES.values():
-            raise ValueError(f"dtype must be float64, float32, bfloat16 or float16, got {dtype}")
-        self.segment_lengths, self.dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
-        self.mode = validation.check_mode(mode)
-        if self.mode == "head_groups":
-            validation.check_head_groups(num_heads, len(self.segment_lengths))
-        self.head_offsets = validation.check_head_offsets(head_offsets)
-        self.softmax_scale = validation.check_scale(softmax_scale, head_dim)
-        self._kernel_scale = validation.kernel_scale(self.softmax_scale, dtype)
-        self.shape = (int(batch), int(num_heads), int(head_dim))
-        self.max_chunk, self.dtype = int(max_chunk), dtype
-        self.device = torch.empty(0, device=device).device
+        configure(self, batch, num_heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets,
+                  softmax_scale, dtype, device)
+        self.max_chunk = validation.check_positive_int(max_chunk, "max_chunk")
         table = branch_table(self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets)
         self._branches = (table.segment_lengths, table.rates)
         self._offsets = torch.tensor(table.offsets, dtype=torch.int64, device=self.device).T.contiguous()
         self._out_scale = 1.0 if self.mode == "mixture" else 1.0 / len(self.segment_lengths)
-        self.capacity = min(max(self.segment_lengths), 2**40) - 1 + self.max_chunk
+        self.capacity = max(self.segment_lengths) - 1 + self.max_chunk
+        if self.capacity > MAX_CAPACITY:
+            raise ValueError(f"a StaticKVCache keeps max(segment_lengths) - 1 + max_chunk = {self.capacity} positions "
+                             f"per sequence, more than {MAX_CAPACITY}: use DilatedKVCache, which keeps only the "
+                             "positions a sequence has reached")
         self.reset(start)
 
     def reset(self, start: Union[int, torch.Tensor] = 0) -> None:
         """Forget every position; the sequences start anew at ``start``. The tensors are
         reset in place: a CUDA graph captured on this cache stays valid."""
-        starts = validation.check_positions(start, "start", self.shape[0], -validation.MAX_POSITION,
-                                            "positions are int64")
-        for s in starts:
-            if s > 0 and window_start_needed(s, self.segment_lengths) != s:
-                raise ValueError(f"start={s}: a sequence starting after position 0 must start at a multiple of "
-                                 f"every segment length {list(self.segment_lengths)}")
+        starts = check_starts(start, self.shape[0], self.segment_lengths)
         batch, heads, dim = self.shape
         if getattr(self, "_k", None) is None:
             ring = (batch, heads, self.capacity, dim)
