@@ -201,7 +201,7 @@ def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):
                                                                   "SDPA (CPU flash), boolean key mask"}
     dilated = [r["cache_bytes"] for r in rows if r["impl"] == "dilated" and r["batch"] == "1"]
     dense = [r["cache_bytes"] for r in rows if r["impl"] == "dense" and r["batch"] == "1"]
-    assert dilated[0] == dilated[1] and dense[1] > 3 * dense[0]  # bounded, against growing
+    assert dilated[0] == dilated[1] and dense[1] > 2 * dense[0]  # bounded, against growing
     assert (tmp_path / "decode-cpu-float32.png").read_bytes()[:4] == b"\x89PNG"
     assert "dense/dilated" in (tmp_path / "decode-cpu-float32.txt").read_text()
 

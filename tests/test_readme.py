@@ -48,6 +48,13 @@ def test_decoding_snippet_runs():
     assert cache.cached_positions < 8192
 
 
+def test_static_cache_snippet_compiles_and_runs():
+    torch.manual_seed(0)
+    namespace = {}
+    exec(compile(snippet("static-cache"), "README static cache", "exec"), namespace)
+    assert namespace["out"].shape == (1, 1, 8, 64) and namespace["cache"].position.tolist() == [1]
+
+
 def test_longnet_snippet_runs_and_its_chunks_match_the_whole():
     torch.manual_seed(0)
     namespace = {}

@@ -6,16 +6,20 @@ one token per sequence per step. Three batches: one sequence; ``B`` sequences at
 position; ``B`` sequences left-padded to different lengths (each row ``p_b`` tokens
 of padding before its first token, so its positions are ``P - p_b``).
 
-- ``dilated``: :class:`DilatedKVCache` (its lean decode path). It is started at the
-  latest common segment boundary at most ``lcm(segment_lengths)`` before ``P`` (it
-  never needs anything earlier, so its state is that of a cache fed from position 0)
-  and timed over ``steps`` tokens: the mean of a whole cycle of segment phases when
-  ``steps = lcm(segment_lengths)``, the long-run cost per token.
+Both are timed over the same span of positions from ``P``: ``min(steps, P)`` steps
+(at least 64): around ``P`` for short texts, a whole cycle of segment phases once
+``P >= steps = lcm(segment_lengths)`` (the long-run cost per token).
+
+- ``dilated``: :class:`DilatedKVCache` (its lean decode path), the mean over every
+  step of the span. It is started at the latest common segment boundary at most
+  ``lcm(segment_lengths)`` before ``P`` (it never needs anything earlier, so its state
+  is that of a cache fed from position 0); a padded batch is fed from its start (up
+  to :data:`MAX_PADDED_POSITION`).
 - ``dense``: keys and values preallocated for every position to come (static
   shapes), each step writes its row and runs PyTorch's SDPA over the cache's filled
   part; left-padded rows add a boolean key mask (SDPA's fastest masked path). On
-  CUDA the FlashAttention backend is forced where there is no mask. Timed over
-  ``dense_steps`` tokens (its cost does not depend on the phase).
+  CUDA the FlashAttention backend is forced where there is no mask. The median of
+  ``dense_steps`` steps spread evenly over the span.
 - On CUDA also ``dilated-graph`` and ``dense-graph``: one step captured in a CUDA
   graph and replayed: :class:`StaticKVCache` (a fixed ring of ``max(w) - 1``
   positions) and a dense cache of a fixed length with a length mask.
@@ -100,21 +104,23 @@ def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> 
                            start=torch.tensor([start - p for p in pads]), dtype=dtype, device=device)
     generator = torch.Generator().manual_seed(position)
     tokens = _tokens(cfg, batch, min(cfg.steps, 64), generator)
-    with torch.no_grad():
+    with torch.inference_mode():  # as a generation loop runs
         chunk = max(cfg.segment_lengths)
         for at in range(start, position, chunk):
             history = torch.randn(batch, min(chunk, position - at), cfg.heads, cfg.head_dim, generator=generator)
             history = history.to(device, dtype)
             cache.attend(history, history, history)
         _synchronize(device)
-        times = [_seconds(lambda t=tokens[i % len(tokens)]: cache.attend(t, t, t), device) for i in range(cfg.steps)]
+        times = [_seconds(lambda t=tokens[i % len(tokens)]: cache.attend(t, t, t), device)
+                 for i in range(span_of(cfg, position))]
     return DecodeRow("dilated", _batch_name(pads), position, 1e3 * statistics.fmean(times) / batch, cache.nbytes)
 
 
 def dense_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> DecodeRow:
     """Median time per token of a dense preallocated cache's steps from ``position`` on."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
-    batch, length = len(pads), position + cfg.dense_steps
+    batch, span = len(pads), span_of(cfg, position)
+    length = position + span
     size = (batch, cfg.heads, length, cfg.head_dim)
     nbytes = 2 * math.prod(size) * torch.empty((), dtype=dtype).element_size()
     if nbytes > MAX_DENSE_BYTES:
@@ -132,11 +138,17 @@ def dense_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> De
         return _sdpa(token, keys[:, :, : at + 1], values[:, :, : at + 1],
                      None if mask is None else mask[..., : at + 1])
 
-    with torch.no_grad():
+    with torch.inference_mode():
         step(position)
-        times = [_seconds(lambda i=i: step(position + i), device) for i in range(cfg.dense_steps)]
+        at = [position + i * span // cfg.dense_steps for i in range(cfg.dense_steps)]
+        times = [_seconds(lambda a=a: step(a), device) for a in at]
     return DecodeRow("dense", _batch_name(pads), position, 1e3 * statistics.median(times) / batch, nbytes,
                      _dense_backend(device, mask is not None))
+
+
+def span_of(cfg: DecodeConfig, position: int) -> int:
+    """How many steps from ``position`` both caches are timed over."""
+    return max(64, min(cfg.steps, position))
 
 
 def _sdpa(q, k, v, mask):
@@ -234,9 +246,9 @@ def format_table(result: DecodeResult) -> str:
         f"({result.machine.get('gpu', result.machine['cpu'])}), {result.machine['threads']} threads, "
         f"torch {result.machine['torch']}, {cfg.dtype}, H={cfg.heads} D={cfg.head_dim}, "
         f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}",
-        f"ms per token (a step's time over its batch); dilated: mean over {cfg.steps} steps from the position; "
-        f"dense: median over {cfg.dense_steps} steps; padded: row b left-padded by b/(B-1) of an eighth of the "
-        "position",
+        f"ms per token (a step's time over its batch) over the steps from the position on, min(position, "
+        f"{cfg.steps}) of them (at least 64): dilated their mean, dense the median of {cfg.dense_steps} spread over "
+        "them; padded: row b left-padded by b/(B-1) of an eighth of the position",
         "",
     ]
     impls = list(dict.fromkeys(r.impl for r in result.rows))

@@ -48,7 +48,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
 
 
-@torch.no_grad()
+@torch.inference_mode()  # a decode step's small operations cost less without autograd's bookkeeping
 def stream(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
            top_k: Optional[int] = None, top_p: Optional[float] = None,
            generator: Optional[torch.Generator] = None, cache=None) -> Iterator[torch.Tensor]:
@@ -75,7 +75,7 @@ def stream(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: flo
             logits = model(tokens[:, start : start + chunk], cache=cache)
         for step in range(max_new_tokens):
             token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
-            yield token
+            yield token.clone()  # an ordinary tensor for the caller, not an inference-mode one
             if step + 1 < max_new_tokens:
                 logits = model(token[:, None], cache=cache)
     finally:
