@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-from dilated_attention.files import write_results
+from dilated_attention.utils.files import write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, "..", "examples", "distributed.py")

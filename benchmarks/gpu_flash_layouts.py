@@ -4,8 +4,8 @@ with the shapes the engine makes (strided rows, padded head dims, GQA, causal)."
 
 import torch
 
-import dilated_attention.kernels as kernels
-from dilated_attention.check import max_relative_error
+import dilated_attention.ops.kernels as kernels
+from dilated_attention.tools.check import max_relative_error
 
 original = kernels._pad_head_dim
 for variant in ("as they come", "output layout"):

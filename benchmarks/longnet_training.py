@@ -29,10 +29,10 @@ import time
 import torch
 from torch.nn import functional as F
 
-from dilated_attention.benchmark import PeakMemory, machine_info
-from dilated_attention.files import write_results
+from dilated_attention.tools.benchmark import PeakMemory, machine_info
+from dilated_attention.utils.files import write_results
 from dilated_attention.models import LongNetConfig, LongNetLM
-from dilated_attention.plotting import pyplot, save
+from dilated_attention.utils.plotting import pyplot, save
 from dilated_attention.training import TrainSettings, read_log, train
 
 HERE = os.path.dirname(os.path.abspath(__file__))

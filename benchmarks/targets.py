@@ -5,7 +5,7 @@
 Config (the issue's): float32, B=1, H=8, D=64, segment_lengths=[2048, 4096, 8192],
 dilation_rates=[1, 2, 4]; 2 CPU threads on CPU. Every ratio is measured against a
 4096 x 4096 matmul run alternately with the measured call (see
-dilated_attention.benchmark). Writes benchmarks/results/targets-<device>-float32.json
+dilated_attention.tools.benchmark). Writes benchmarks/results/targets-<device>-float32.json
 and .txt.
 """
 
@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from dilated_attention import benchmark
-from dilated_attention.files import write_results
+from dilated_attention.tools import benchmark
+from dilated_attention.utils.files import write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

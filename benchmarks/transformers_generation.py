@@ -13,7 +13,7 @@ each length with ``model.generate`` (greedy) in three set-ups:
 
 Each run is a fresh process. Reported: the memory the cache's keys and values hold
 on to when ``generate`` returns; the peak resident memory ``generate`` adds over what the
-process held before it (see :class:`dilated_attention.benchmark.PeakMemory`), during
+process held before it (see :class:`dilated_attention.tools.benchmark.PeakMemory`), during
 the prefill (the prompt's activations, the same for every set-up) and during the
 generation of the new tokens after it (the cache and one step's temporaries); the
 prefill time and the time per new token.
@@ -39,7 +39,7 @@ def measure(setup: str, length: int, new_tokens: int) -> dict:
     """One ``generate`` call in this process."""
     from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria
 
-    from dilated_attention.benchmark import PeakMemory
+    from dilated_attention.tools.benchmark import PeakMemory
     from dilated_attention.integrations.transformers import DilatedCache, held_bytes, register
 
     register("dilated", **BRANCHES)
@@ -94,8 +94,8 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(args.one[0], int(args.one[1]), args.new_tokens)))
         return
-    from dilated_attention.benchmark import machine_info
-    from dilated_attention.files import write_results
+    from dilated_attention.tools.benchmark import machine_info
+    from dilated_attention.utils.files import write_results
 
     rows = []
     for length in args.lengths:

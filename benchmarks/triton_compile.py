@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dilated_attention import triton_kernels as tk
+from dilated_attention.ops import triton_kernels as tk
 
 # Pointer arguments by name: their element type (the input dtype for "{dtype}").
 POINTERS = {

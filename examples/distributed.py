@@ -8,7 +8,7 @@ time, the peak memory its step added and the bytes it moved. Then, unless --no-c
 every rank compares its shard of the output and of the gradients with the
 single-process result on the whole sequence (which this check, and only it, computes
 on every rank), and rank 0 ends with a line "PASS: ..." or "FAIL: ..." naming the
-worst error over all ranks and the tolerance (dilated_attention.check's
+worst error over all ranks and the tolerance (dilated_attention.tools.check's
 ONE_PROCESS_TOLERANCES for the dtype). The exit status is 1 on FAIL.
 """
 
@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from dilated_attention import dilated_attention
-from dilated_attention.benchmark import PeakMemory
-from dilated_attention.check import ONE_PROCESS_TOLERANCES, max_relative_error
-from dilated_attention.distributed import Communicator
-from dilated_attention.files import atomic_write
+from dilated_attention.tools.benchmark import PeakMemory
+from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES, max_relative_error
+from dilated_attention.ops.distributed import Communicator
+from dilated_attention.utils.files import atomic_write
 
 
 def parse_args():

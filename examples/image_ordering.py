@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dilated_attention import GridAttention, MultiheadDilatedAttention
-from dilated_attention.ordering import ORDERS
+from dilated_attention.nn.ordering import ORDERS
 
 SIDE, TILE, NOISE, DIM = 32, 4, 0.25, 64
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dilated_attention.functional as functional
-from dilated_attention.plan import HEAD_OFFSETS, MODES, window_start_needed
+from dilated_attention.ops.plan import HEAD_OFFSETS, MODES, window_start_needed
 
 
 MEMORY_LAYOUTS = ("contiguous", "head_dim_strided", "sliced", "expanded")

@@ -10,11 +10,11 @@ import torch
 from helpers import configs
 from hypothesis import given
 
-import dilated_attention.benchmark as benchmark
+import dilated_attention.tools.benchmark as benchmark
 from dilated_attention import dilated_attention
-from dilated_attention.benchmark import PeakMemory, attended_pairs
-from dilated_attention.cli import main
-from dilated_attention.files import atomic_write, fresh_folder
+from dilated_attention.tools.benchmark import PeakMemory, attended_pairs
+from dilated_attention.tools.cli import main
+from dilated_attention.utils.files import atomic_write, fresh_folder
 from dilated_attention.reference import branch_offsets, branch_pattern
 
 
@@ -186,7 +186,7 @@ def test_bench_progress_is_a_bar_only_on_a_terminal(terminal, tmp_path, capsys, 
 
 
 def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):
-    from dilated_attention.cli import main
+    from dilated_attention.tools.cli import main
 
     args = ["decode-bench", "--positions", "64", "256", "--segment-lengths", "8", "32", "--dilation-rates", "1", "2",
             "--heads", "2", "--head-dim", "4", "--steps", "40", "--dense-steps", "3", "--out-dir", str(tmp_path)]
@@ -212,7 +212,7 @@ def test_flexattention_peer_computes_the_same_mixture(is_causal):
     each pair's score gains log(branch count), which is the mixture exactly."""
     import warnings
 
-    from dilated_attention.benchmark import flex_mixture
+    from dilated_attention.tools.benchmark import flex_mixture
 
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 160, 4, 8, generator=gen) for _ in range(3))

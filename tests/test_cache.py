@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, reference_dilated_attention
-from dilated_attention.check import TOLERANCES, max_relative_error
+from dilated_attention.tools.check import TOLERANCES, max_relative_error
 
 
 @st.composite
@@ -243,7 +243,7 @@ def test_a_call_that_fails_leaves_the_cache_as_it_was(chunk, poison, monkeypatch
     """Bad input is refused before the cache changes; should the attention itself
     raise after the keys were appended, the append is undone: a retry gives exactly
     the output of a cache that never failed."""
-    import dilated_attention.decode as decode
+    import dilated_attention.ops.decode as decode
     import dilated_attention.functional as functional
 
     segs, rates = [4, 8], [1, 2]
@@ -280,7 +280,7 @@ def test_a_batch_of_another_size_names_the_caches():
     holds and how to feed fewer, not an error about positions the caller never passed."""
     from dilated_attention import MultiheadDilatedAttention
     from dilated_attention.models import LongNetConfig, LongNetLM
-    from dilated_attention.rotary import RotaryEmbedding
+    from dilated_attention.nn.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(5)
     fix = "feed the next positions of every sequence in each call, or first keep only those to continue with " \

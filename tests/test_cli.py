@@ -10,9 +10,9 @@ import torch
 from helpers import option_help
 
 import dilated_attention
-import dilated_attention.check as check
-import dilated_attention.pattern as pattern
-from dilated_attention.cli import main
+import dilated_attention.tools.check as check
+import dilated_attention.tools.pattern as pattern
+from dilated_attention.tools.cli import main
 
 
 def test_check_passes_and_prints_a_table(capsys):

@@ -6,7 +6,7 @@ import torch
 from helpers import random_inputs
 
 from dilated_attention import MultiheadDilatedAttention, dilated_attention
-from dilated_attention.check import max_relative_error
+from dilated_attention.tools.check import max_relative_error
 
 SEGS, RATES = [8, 16], [1, 2]
 

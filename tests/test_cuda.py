@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
-from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
+from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -153,7 +153,7 @@ def test_triton_cuda_decoding_equals_the_whole_sequence(dtype, monkeypatch):
 
 
 def test_auto_runs_the_fused_kernels_on_cuda_for_half_precision():
-    from dilated_attention import fused
+    from dilated_attention.ops import fused
 
     half = torch.empty(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
     assert fused.use_triton(half, 0.0, False, None) == (importlib.util.find_spec("triton") is not None)

@@ -1,4 +1,4 @@
-"""The lean path of decode steps (``dilated_attention.decode``): a few query rows
+"""The lean path of decode steps (``dilated_attention.ops.decode``): a few query rows
 against a window of keys, in one attention call with a log-multiplicity bias or
 branch by branch, against the float64 reference."""
 
@@ -10,8 +10,9 @@ from helpers import configs, random_inputs, split_config, windows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dilated_attention import decode, reference_dilated_attention
-from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
+from dilated_attention.ops import decode
+from dilated_attention import reference_dilated_attention
+from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
 
 
 def tables_of(attn, heads):

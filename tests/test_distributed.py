@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 from helpers import with_memory_layout
 
 from dilated_attention import dilated_attention
-from dilated_attention.check import ONE_PROCESS_TOLERANCES, lse_error, max_relative_error
-from dilated_attention.distributed import Communicator
+from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES, lse_error, max_relative_error
+from dilated_attention.ops.distributed import Communicator
 from dilated_attention.reference import branch_offsets, branch_pattern
 
 TIMEOUT_S = 300
@@ -121,7 +121,7 @@ def run_grid_module(rank, world, group):
     """GridAttention on each rank's piece of the Hilbert-ordered patches (with a CLS
     token): the pieces of the output are the single-process output in that order."""
     from dilated_attention import GridAttention, MultiheadDilatedAttention
-    from dilated_attention.ordering import apply, grid_order, shard
+    from dilated_attention.nn.ordering import apply, grid_order, shard
 
     torch.manual_seed(0)
     grid_attention = GridAttention(MultiheadDilatedAttention(12, 3, [8, 16], [1, 2], dtype=torch.float64),

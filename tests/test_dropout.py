@@ -5,10 +5,10 @@ import pytest
 import torch
 from helpers import LargestTensor, call_budget, random_inputs
 
-import dilated_attention.kernels as kernels
+import dilated_attention.ops.kernels as kernels
 from dilated_attention import DilatedAttention, dilated_attention, reference_dilated_attention
-from dilated_attention.check import max_relative_error
-from dilated_attention.dropout import DropoutMask, column_keys, row_keys
+from dilated_attention.tools.check import max_relative_error
+from dilated_attention.ops.dropout import DropoutMask, column_keys, row_keys
 
 SEGS, RATES = [4, 6, 16], [1, 2, 3]
 

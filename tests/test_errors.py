@@ -7,14 +7,9 @@ import time
 import pytest
 import torch
 
-from dilated_attention import (
-    DilatedAttention,
-    MultiheadDilatedAttention,
-    dilated_attention,
-    reference_dilated_attention,
-)
-from dilated_attention.check import max_relative_error
-from dilated_attention.plan import make_plan
+from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention, reference_dilated_attention
+from dilated_attention.tools.check import max_relative_error
+from dilated_attention.ops.plan import make_plan
 
 
 def qkv(shape=(2, 16, 4, 8), dtype=torch.float32):
@@ -176,14 +171,8 @@ def test_sparse_inputs_are_refused():
 
 
 def test_fused_kernels_refuse_dropout_and_selection_says_what_supports_it():
-    from dilated_attention.dropout import DropoutMask
-    from dilated_attention.kernels import (
-        CpuFlashKernel,
-        CudaEfficientKernel,
-        CudaFlashKernel,
-        MathKernel,
-        select_kernel,
-    )
+    from dilated_attention.ops.dropout import DropoutMask
+    from dilated_attention.ops.kernels import CpuFlashKernel, CudaEfficientKernel, CudaFlashKernel, MathKernel, select_kernel
 
     q = torch.randn(1, 2, 4, 8)
     mask = DropoutMask(0.5, torch.zeros(1, 2, 4, dtype=torch.long), torch.zeros(1, 1, 4, dtype=torch.long))

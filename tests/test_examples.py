@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import option_help
 
-from dilated_attention.check import ONE_PROCESS_TOLERANCES
+from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 TIMEOUT_S = 300

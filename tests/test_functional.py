@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import dilated_attention, reference_dilated_attention
-from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
-from dilated_attention.kernels import MathKernel
+from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
+from dilated_attention.ops.kernels import MathKernel
 
 
 def compare_with_reference(cfg, dtype=torch.float64, tolerance=1e-10):
@@ -259,7 +259,7 @@ def test_cuda_kernel_calls_fit_the_op_schemas(masked):
     """No GPU here: run the whole pipeline with the CUDA kernel on meta tensors, which
     checks the calls against PyTorch's schemas and shape functions (not the numbers;
     `dilated-attention check --device cuda` does that on a GPU)."""
-    from dilated_attention.kernels import CudaEfficientKernel
+    from dilated_attention.ops.kernels import CudaEfficientKernel
 
     with forced_kernel(CudaEfficientKernel):
         q, k, v = (torch.empty(2, 37, 5, 12, device="meta", requires_grad=True) for _ in range(3))
@@ -272,7 +272,7 @@ def test_cuda_kernel_calls_fit_the_op_schemas(masked):
 
 def test_cuda_kernel_non_square_calls_fit_the_op_schemas():
     """Queries attending to another rank's keys: Lq != Lk, with a key padding bias."""
-    from dilated_attention.kernels import CudaEfficientKernel
+    from dilated_attention.ops.kernels import CudaEfficientKernel
 
     q = torch.empty(3, 2, 5, 12, device="meta")
     k = torch.empty(3, 2, 9, 12, device="meta")
@@ -287,7 +287,7 @@ def test_cuda_kernel_non_square_calls_fit_the_op_schemas():
 def test_cuda_flash_kernel_calls_fit_the_op_schemas(masked):
     """The FlashAttention kernel on meta tensors, through the whole pipeline, with
     grouped-query heads and a head dim to pad; masked blocks go to the other kernel."""
-    from dilated_attention.kernels import CudaFlashKernel
+    from dilated_attention.ops.kernels import CudaFlashKernel
 
     with forced_kernel(CudaFlashKernel):
         q = torch.empty(2, 37, 6, 12, device="meta", dtype=torch.bfloat16, requires_grad=True)

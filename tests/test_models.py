@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from dilated_attention import MultiheadDilatedAttention
 from dilated_attention.models import LongNetConfig, LongNetLM, sample_next
 from dilated_attention.models.config import PRESETS
-from dilated_attention.plan import HEAD_OFFSETS, MODES
-from dilated_attention.rotary import RotaryEmbedding
+from dilated_attention.ops.plan import HEAD_OFFSETS, MODES
+from dilated_attention.nn.rotary import RotaryEmbedding
 
 
 def small_config(**changes):

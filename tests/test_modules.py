@@ -9,7 +9,7 @@ import torch
 from helpers import random_inputs
 
 from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention, reference_dilated_attention
-from dilated_attention.check import max_relative_error
+from dilated_attention.tools.check import max_relative_error
 
 SEGS, RATES = [4, 8, 32], [1, 2, 4]
 

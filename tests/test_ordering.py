@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dilated_attention.ordering import MAX_PATCHES, ORDERS, apply, grid_order, invert, locality, shard
+from dilated_attention.nn.ordering import MAX_PATCHES, ORDERS, apply, grid_order, invert, locality, shard
 
 grids = st.tuples(st.integers(1, 70), st.integers(1, 70))
 
@@ -273,7 +273,7 @@ def test_longvit_attention_is_reproduced_exactly():
 def test_the_drawn_patches_are_the_references_keys(kind):
     """What the grid picture shades for a query patch and a head: the keys the
     reference lets it attend to in that branch, on the ordered sequence."""
-    from dilated_attention.pattern import attended_cells
+    from dilated_attention.tools.pattern import attended_cells
     from dilated_attention.reference import branch_offsets, branch_pattern
 
     height, width, heads = 5, 9, 3

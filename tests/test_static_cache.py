@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, StaticKVCache, reference_dilated_attention
-from dilated_attention.check import TOLERANCES, max_relative_error
+from dilated_attention.tools.check import TOLERANCES, max_relative_error
 from dilated_attention.models import LongNetConfig, LongNetLM
 
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from dilated_attention.cli import main
+from dilated_attention.tools.cli import main
 from dilated_attention.models import LongNetConfig
 from dilated_attention.training import TrainSettings, load_corpus, load_model, read_log, train
 from dilated_attention.training import checkpoint
@@ -360,7 +360,7 @@ def test_temporaries_of_a_killed_writer_are_removed_when_the_run_restarts(tmp_pa
 def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, text_file, capsys, monkeypatch):
     import errno
 
-    from dilated_attention import files
+    from dilated_attention.utils import files
 
     run = str(tmp_path / "run")
     train(run, settings(text_file, steps=2), CONFIG, progress=False)

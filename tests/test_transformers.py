@@ -430,7 +430,7 @@ def test_the_core_package_does_not_import_transformers():
 def test_without_transformers_the_integration_says_how_to_install_it(monkeypatch):
     import importlib
 
-    from dilated_attention.extras import MissingExtra
+    from dilated_attention.utils.extras import MissingExtra
 
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.delitem(sys.modules, "dilated_attention.integrations.transformers")

@@ -14,8 +14,9 @@ from helpers import configs, poison, random_inputs, split_config, windows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dilated_attention import DilatedKVCache, dilated_attention, fused, reference_dilated_attention
-from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
+from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
+from dilated_attention.ops import fused
+from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
 
 pytest.importorskip("triton")
 # conftest.py sets TRITON_INTERPRET=1 before anything imports Triton.
@@ -199,7 +200,7 @@ def test_segment_interiors_take_the_unmasked_tiles_and_stay_exact(is_causal):
 
 
 def test_check_says_which_kernels_ran(capsys):
-    from dilated_attention.cli import main
+    from dilated_attention.tools.cli import main
 
     assert main(["check", "--dtype", "float32", "--kernel", "torch"]) == 0
     assert "kernels: torch (CpuFlashKernel on each block of the plan)" in capsys.readouterr().out

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import dilated_attention, reference_dilated_attention
-from dilated_attention.check import TOLERANCES, lse_error, max_relative_error
+from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
 
 
 def window_of(tensors, mask, total, queries, start):

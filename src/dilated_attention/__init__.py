@@ -3,7 +3,7 @@
 - :func:`dilated_attention`: the functional API (``(B, N, H, D)`` tensors).
 - :class:`DilatedAttention`, :class:`MultiheadDilatedAttention`: ``nn.Module`` wrappers.
 - :class:`GridAttention`: attention over image patches in a chosen order
-  (:mod:`dilated_attention.ordering`: row-major, Z-order, Hilbert).
+  (:mod:`dilated_attention.nn.ordering`: row-major, Z-order, Hilbert).
 - :class:`DilatedKVCache`: attention fed a few positions at a time (decoding), in
   memory bounded by the longest segment; :class:`StaticKVCache` the same with fixed
   shapes, for ``torch.compile`` and CUDA graphs.
@@ -12,11 +12,12 @@
 What is computed, exactly, is defined in ``docs/definition.md`` of the project.
 """
 
-from .cache import DilatedKVCache
+from .nn import ordering
+from .nn.cache import DilatedKVCache
 from .functional import dilated_attention
-from .modules import DilatedAttention, GridAttention, MultiheadDilatedAttention
+from .nn.modules import DilatedAttention, GridAttention, MultiheadDilatedAttention
 from .reference import reference_dilated_attention
-from .static_cache import StaticKVCache
+from .nn.static_cache import StaticKVCache
 
 __all__ = [
     "dilated_attention",

@@ -7,11 +7,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import decode, fused, validation
-from .dropout import draw_seed
-from .engine import DilatedAttentionFunction, EngineConfig, contiguous_last_dim, nonfinite_rows
-from .kernels import select_kernel
-from .plan import FusedPlan, branch_table, make_plan, partly_covered_heads
+from .ops import decode, fused, validation
+from .ops.dropout import draw_seed
+from .ops.engine import DilatedAttentionFunction, EngineConfig, contiguous_last_dim, nonfinite_rows
+from .ops.kernels import select_kernel
+from .ops.plan import FusedPlan, branch_table, make_plan, partly_covered_heads
 
 # Largest output of one kernel call, in elements. On CPU 2**22 (16 MiB in float32):
 # large enough that per-call overhead is negligible, small enough that glibc serves
@@ -79,7 +79,7 @@ def dilated_attention(
         layout: ``"bnhd"`` (default) or ``"bhnd"``: the layout of ``q, k, v``, of
             the output and of the LSE (``(B, Lq, H)`` or ``(B, H, Lq)``).
         process_group: a ``torch.distributed`` process group, or a
-            :class:`dilated_attention.distributed.Communicator` (``None``: one
+            :class:`dilated_attention.ops.distributed.Communicator` (``None``: one
             process). Then ``q, k, v`` (and the mask) are this rank's contiguous shard
             of the sequence, rank ``k`` holding the ``k``-th; shards may differ in
             length. The output and LSE are the same shard of the single-process
@@ -89,7 +89,7 @@ def dilated_attention(
             otherwise), ``"triton"`` (the fused kernels or a ``ValueError`` saying why
             not) or ``"torch"``; default: ``$DILATED_ATTENTION_KERNEL``, else
             ``"auto"``. Every choice computes the same function (see
-            :mod:`dilated_attention.fused`).
+            :mod:`dilated_attention.ops.fused`).
 
     Returns:
         ``out`` (the layout of ``q``) in the dtype of ``q``; with ``return_lse``,
@@ -118,7 +118,7 @@ def dilated_attention(
         call, dropout, want_lse = validate()
         seed = draw_seed(call.q.device) if dropout > 0 else None
     else:
-        from .distributed import make_exchange
+        from .ops.distributed import make_exchange
 
         try:
             call, dropout, want_lse = validate()
@@ -154,13 +154,13 @@ def dilated_attention(
 
 def run(call, dropout: float = 0.0, seed=None, exchange=None, key_flags=None, keys_checked: bool = False,
         kernel: Optional[str] = None):
-    """A validated call (:class:`dilated_attention.validation.Attention`) through the
+    """A validated call (:class:`dilated_attention.ops.validation.Attention`) through the
     engine: ``(out, lse)``, ``(B, Lq, H, D)`` and ``(B, Lq, H)``.
 
     ``keys_checked``: the caller knows which key rows hold a NaN or an infinity:
     those flagged in ``key_flags`` (``(B, Lk, H)`` bool), none if it is ``None``; the
     engine then skips scanning ``k, v`` for them (a decode step's window).
-    ``kernel``: see :mod:`dilated_attention.fused`; the fused kernels take every batch
+    ``kernel``: see :mod:`dilated_attention.ops.fused`; the fused kernels take every batch
     row in one launch, whatever its key offset."""
     checks = (key_flags, keys_checked)
     if _takes_step(call, dropout, exchange, kernel, key_flags, keys_checked):
@@ -181,7 +181,7 @@ def run(call, dropout: float = 0.0, seed=None, exchange=None, key_flags=None, ke
 
 
 def _takes_step(call, dropout: float, exchange, kernel, key_flags, keys_checked: bool) -> bool:
-    """Whether a call takes the lean path of decode steps (:mod:`dilated_attention.decode`):
+    """Whether a call takes the lean path of decode steps (:mod:`dilated_attention.ops.decode`):
     a few causal query rows on the CPU, no dropout, one process, nothing to
     differentiate, no NaN or infinity in its inputs, PyTorch's kernels."""
     if not call.is_causal or call.shape[1] > decode.MAX_ROWS or call.q.device.type != "cpu":

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .plan import head_group_bounds
-from .validation import check_attention, check_branches, check_head_groups, check_mode
+from .ops.plan import head_group_bounds
+from .ops.validation import check_attention, check_branches, check_head_groups, check_mode
 
 
 def branch_pattern(

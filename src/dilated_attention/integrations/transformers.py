@@ -56,10 +56,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import validation
-from ..extras import MissingExtra, install_hint
+from ..ops import validation
+from ..utils.extras import MissingExtra, install_hint
 from ..functional import dilated_attention
-from ..plan import window_start_needed
+from ..ops.plan import window_start_needed
 
 try:
     from transformers import AttentionInterface, PretrainedConfig

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .. import validation
+from ..ops import validation
 
 POSITIONS = ("rotary", "none")
 

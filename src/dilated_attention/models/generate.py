@@ -7,7 +7,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .. import validation
+from ..ops import validation
 
 
 def _check_sampling(temperature, top_k, top_p) -> None:

@@ -23,10 +23,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .. import validation
-from ..cache import DilatedKVCache, check_batch
-from ..modules import MultiheadDilatedAttention, sequence_positions
-from ..rotary import RotaryEmbedding
+from ..ops import validation
+from ..nn.cache import DilatedKVCache, check_batch
+from ..nn.modules import MultiheadDilatedAttention, sequence_positions
+from ..nn.rotary import RotaryEmbedding
 from .config import LongNetConfig
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..files import atomic_write, link_atomically
+from ..utils.files import atomic_write, link_atomically
 
 CHECKPOINT = "checkpoint.pt"
 PREVIOUS = "checkpoint.previous.pt"

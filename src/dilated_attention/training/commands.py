@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..arguments import device_type, number, seed
+from ..tools.arguments import device_type, number, seed
 from ..models import PRESETS, LongNetConfig
 from . import checkpoint, run_folder
 from .run_folder import read_log, read_run_config

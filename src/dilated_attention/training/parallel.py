@@ -21,7 +21,7 @@ from typing import Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..arguments import device_type
+from ..tools.arguments import device_type
 
 T = TypeVar("T")
 

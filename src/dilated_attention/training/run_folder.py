@@ -11,7 +11,7 @@ import os
 import re
 from typing import Optional
 
-from ..files import TEMPORARY_SUFFIX, atomic_write
+from ..utils.files import TEMPORARY_SUFFIX, atomic_write
 from ..models import LongNetConfig
 from .settings import TrainSettings
 
@@ -87,7 +87,7 @@ def _lock(fd: int) -> None:
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:
     """Delete the temporary files that writers killed mid-write left in ``run_dir``
-    (``.NAME.<id>.tmp``, see :func:`dilated_attention.files.atomic_write`); call it
+    (``.NAME.<id>.tmp``, see :func:`dilated_attention.utils.files.atomic_write`); call it
     holding the folder's :class:`RunLock`, so that no live writer owns one. Returns
     their names."""
     stale = [name for name in os.listdir(run_dir) if _is_temporary(name)]
@@ -112,7 +112,7 @@ def never_started(run_dir: str) -> bool:
 
 
 def _is_temporary(name: str) -> bool:
-    """Whether ``name`` is one of :func:`dilated_attention.files.temporary_path`'s names."""
+    """Whether ``name`` is one of :func:`dilated_attention.utils.files.temporary_path`'s names."""
     return re.fullmatch(r"\..+\.[0-9a-f]{32}" + re.escape(TEMPORARY_SUFFIX), name) is not None
 
 
@@ -193,7 +193,7 @@ def append_log(run_dir: str, record: dict) -> None:
 
 def plot(run_dir: str) -> None:
     """``loss.png``: training and validation bits per byte against the step."""
-    from ..plotting import pyplot, save
+    from ..utils.plotting import pyplot, save
 
     records = read_log(run_dir)
     plt = pyplot()

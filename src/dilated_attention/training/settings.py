@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .. import validation
+from ..ops import validation
 
 AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 

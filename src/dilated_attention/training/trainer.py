@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch.nn import functional as F
 
-from ..extras import require
+from ..utils.extras import require
 from ..models import LongNetConfig, LongNetLM
 from . import checkpoint, parallel, run_folder
 from .data import Batches, check_long_enough, evaluation_starts, load_corpus, windows

@@ -1,6 +1,6 @@
 """The engine: run every planned block through a kernel and merge the results.
 
-A block (:class:`dilated_attention.plan.Block`) is "these query rows against those
+A block (:class:`dilated_attention.ops.plan.Block`) is "these query rows against those
 key rows". Whole sequences, queries at the end of a longer key window (prefill
 chunks, decode steps) and the rows other ranks send are all blocks, and every block
 goes through one pipeline: gather its rows as strided views, fold its segments into
@@ -39,15 +39,15 @@ from .validation import TORCH_FUNC_REFUSAL
 class EngineConfig:
     """Everything about one call except the tensors.
 
-    ``blocks``: the plan (see :func:`dilated_attention.plan.make_plan`);
+    ``blocks``: the plan (see :func:`dilated_attention.ops.plan.make_plan`);
     ``unwritten_heads``: head slices the fresh blocks do not fully write
-    (:func:`dilated_attention.plan.partly_covered_heads`); ``max_call_elements``:
+    (:func:`dilated_attention.ops.plan.partly_covered_heads`); ``max_call_elements``:
     a block is run in chunks of whole segments whose output has at most this many
     elements (at least one segment per call), which bounds the temporary memory
     and, on CPU, keeps it small enough to be reused rather than freshly paged in
     each call; ``out_scale``: factor applied to the merged output (``1 / G`` in
     ``head_groups``, where blocks never overlap); ``kernel``: one of the classes of
-    :mod:`dilated_attention.kernels`; ``query_position``, ``key_position``: the
+    :mod:`dilated_attention.ops.kernels`; ``query_position``, ``key_position``: the
     sequence positions of the first row of ``q`` and of ``k, v``; ``batch_rows``: the
     batch rows of the caller's tensors that these are (``None``: all, in order).
     The last three key the dropout masks. ``keys_checked``: the call's key flags
@@ -373,7 +373,7 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
     ``seed``: 0-dim int64 tensor of the dropout masks, or ``None`` without dropout.
     ``key_flags``: ``(B, Lk, H)`` bool, the key rows known to hold non-finite values
     when ``cfg.keys_checked`` (``None``: none), else ignored.
-    ``exchange`` (a :class:`dilated_attention.distributed.Exchange`, or ``None``) has
+    ``exchange`` (a :class:`dilated_attention.ops.distributed.Exchange`, or ``None``) has
     posted the transfer of other ranks' rows; it is finished after the local blocks
     have run, so that the transfer overlaps them, and its blocks are merged in."""
     if cfg.fused is not None:
@@ -486,7 +486,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
     the dropout ``seed`` and the ``key_flags`` (see :func:`engine_forward`); outputs
     ``out`` and ``lse``, both differentiable.
 
-    ``exchange`` (a :class:`dilated_attention.distributed.Exchange`, or ``None``)
+    ``exchange`` (a :class:`dilated_attention.ops.distributed.Exchange`, or ``None``)
     makes the inputs one rank's shard: other ranks' key/value rows are received while
     the local blocks run, and their gradients are sent back while the local backward
     runs. Double backward is refused: the backward is not itself differentiable.

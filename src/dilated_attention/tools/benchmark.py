@@ -28,12 +28,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import fused
-from .functional import dilated_attention
-from .intmath import ceil_div
-from .kernels import select_kernel
-from .plan import make_plan
-from .plotting import log_log, pyplot, save
+from ..ops import fused
+from ..functional import dilated_attention
+from ..ops.intmath import ceil_div
+from ..ops.kernels import select_kernel
+from ..ops.plan import make_plan
+from ..utils.plotting import log_log, pyplot, save
 
 # What ``bench`` measures by default, and what it can measure: ``mixture-torch`` is the
 # library forced to PyTorch's kernels (``mixture`` takes the fused Triton kernels where
@@ -324,7 +324,7 @@ def flex_mixture(seq_len: int, heads: int, segment_lengths, dilation_rates, is_c
     ``compiled``: through ``torch.compile`` (FlexAttention's fast path)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from .reference import branch_offsets
+    from ..reference import branch_offsets
 
     offsets = [o.to(device) for o in branch_offsets(heads, segment_lengths, dilation_rates, "mixture", head_offsets)]
     branches = [(min(w, seq_len), min(r, w, seq_len)) for w, r in zip(segment_lengths, dilation_rates)]

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .validation import SEED_LIMIT
+from ..ops.validation import SEED_LIMIT
 
 
 class Parser(argparse.ArgumentParser):

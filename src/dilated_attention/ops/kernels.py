@@ -18,7 +18,7 @@ Masks: ``bias`` is ``None`` or an additive ``(batch, 1, 1, Lk)`` tensor (``0`` o
 top-left-aligned causal mask (``Lq == Lk``). Rows whose keys are all masked are
 the caller's to mark: the fused kernels report ``lse = 0`` for them, and the
 backward expects ``lse = +inf`` there (which makes every probability of the row 0).
-``dropout`` is ``None`` or a :class:`dilated_attention.dropout.DropoutMask`.
+``dropout`` is ``None`` or a :class:`dilated_attention.ops.dropout.DropoutMask`.
 
 Grouped-query attention: ``k, v`` may have fewer heads ``h_k`` than ``q`` (``h_k``
 divides ``h``); query head ``i`` then attends with key head ``i // (h / h_k)``, and

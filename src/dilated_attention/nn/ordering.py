@@ -32,8 +32,8 @@ import functools
 
 import torch
 
-from . import validation
-from .intmath import ceil_div
+from ..ops import validation
+from ..ops.intmath import ceil_div
 
 ORDERS = ("row_major", "zorder", "hilbert")
 

@@ -8,11 +8,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import validation
+from ..ops import validation
 from .cache import check_starts, configure
-from .decode import ring_counts
-from .kernels import accumulator
-from .plan import branch_table
+from ..ops.decode import ring_counts
+from ..ops.kernels import accumulator
+from ..ops.plan import branch_table
 
 # The position of a ring slot no key has filled yet: never attended.
 EMPTY = -(2**62)

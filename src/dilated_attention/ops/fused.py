@@ -1,6 +1,6 @@
 """Which kernels run a call: the engine's block kernels (PyTorch's fused attention ops
-on strided views, :mod:`dilated_attention.kernels`) or the fused Triton kernels
-(:mod:`dilated_attention.triton_kernels`), which run every branch of a call in one
+on strided views, :mod:`dilated_attention.ops.kernels`) or the fused Triton kernels
+(:mod:`dilated_attention.ops.triton_kernels`), which run every branch of a call in one
 launch.
 
 The choice, per call: the ``kernel`` argument of

@@ -15,10 +15,11 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import decode, functional, fused, validation
-from .engine import nonfinite_rows
-from .kernels import accumulator
-from .plan import window_start_needed
+from ..ops import decode, fused, validation
+from .. import functional
+from ..ops.engine import nonfinite_rows
+from ..ops.kernels import accumulator
+from ..ops.plan import window_start_needed
 
 
 def check_batch(sequences: int, batch: int, name: str) -> None:
@@ -271,7 +272,7 @@ class DilatedKVCache:
             raise ValueError(f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
 
     def _takes_window(self, q, k, v) -> bool:
-        """Whether this call takes the lean path (:mod:`dilated_attention.decode`): a few
+        """Whether this call takes the lean path (:mod:`dilated_attention.ops.decode`): a few
         rows on the CPU, nothing to differentiate, no non-finite value anywhere, and no
         other kernels asked for; else the engine's blocks, group by group."""
         if q.shape[1] > decode.MAX_ROWS or self.device.type != "cpu" or self._bad is not None:

@@ -11,12 +11,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import __version__, benchmark, fused, validation
+from .. import __version__
+from . import benchmark
+from ..ops import fused, validation
 from .arguments import Parser, device_type, number, positive_float, positive_int, positive_ints, seed
-from .extras import MissingExtra, require
-from .files import fresh_folder, write_results
-from .plan import MODES
-from .training.commands import add_generate, add_train
+from ..utils.extras import MissingExtra, require
+from ..utils.files import fresh_folder, write_results
+from ..ops.plan import MODES
+from ..training.commands import add_generate, add_train
 
 DTYPES = validation.FLOAT_DTYPES
 
@@ -211,8 +213,8 @@ def _add_check(sub) -> None:
 
 
 def _add_pattern(sub) -> None:
-    from .ordering import ORDERS
-    from .plan import HEAD_OFFSETS
+    from ..nn.ordering import ORDERS
+    from ..ops.plan import HEAD_OFFSETS
 
     pattern = _add_command(
         sub, "pattern", "Draw each head's attention pattern as a PNG.",

@@ -4,7 +4,7 @@ Imported only when a fused path runs (``triton`` is an optional dependency). On 
 machine without a GPU the same kernels run in Triton's interpreter, which is chosen
 when this module is imported: ``TRITON_INTERPRET=1`` must be set before.
 
-The layout of the work (see :class:`dilated_attention.plan.BranchTable`):
+The layout of the work (see :class:`dilated_attention.ops.plan.BranchTable`):
 
 - **Forward** (and the **dq** pass): a program owns query rows of one (batch row,
   head), ``p = c, c + R, ..., c + (BLOCK_M - 1) R`` inside an aligned span of ``R *

@@ -7,10 +7,10 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from . import validation
+from ..ops import validation
 from .cache import DilatedKVCache, check_batch
 from .static_cache import StaticKVCache
-from .functional import dilated_attention
+from ..functional import dilated_attention
 from .ordering import ORDERS, apply, grid_order, invert
 
 
@@ -33,7 +33,7 @@ def sequence_positions(length: int, device, cache=None, process_group=None) -> t
     if cache is not None:
         return cache.position.to(device)[:, None] + steps
     if process_group is not None:
-        from .distributed import shard_start
+        from ..ops.distributed import shard_start
 
         return steps + shard_start(process_group, length)
     return steps
@@ -133,7 +133,7 @@ class MultiheadDilatedAttention(nn.Module):
     configuration are stored in the ``state_dict``; loading one saved with others
     raises ``ValueError``.
 
-    Positions: ``rotary`` (e.g. :class:`dilated_attention.rotary.RotaryEmbedding`), a
+    Positions: ``rotary`` (e.g. :class:`dilated_attention.nn.rotary.RotaryEmbedding`), a
     callable ``rotary(x, positions)`` applied to the projected ``q`` and ``k``
     ``(B, N, H, D)`` at their absolute ``positions`` (``(N,)`` or ``(B, N)`` ints).
     Decoding: :meth:`new_cache`, then ``forward(x, is_causal=True, cache=cache)`` with
@@ -350,13 +350,13 @@ class GridAttention(nn.Module):
     (a :class:`MultiheadDilatedAttention`): ``forward(x, grid=(height, width))`` takes
     ``x`` ``(B, extra_tokens + height * width, embed_dim)`` with the patches in
     row-major order (after ``extra_tokens`` leading tokens, e.g. a CLS token), runs
-    ``attention`` on the sequence in ``order`` (see :mod:`dilated_attention.ordering`)
+    ``attention`` on the sequence in ``order`` (see :mod:`dilated_attention.nn.ordering`)
     and returns its output in the caller's order: a ViT block changes the order its
     segments follow without touching its data pipeline. ``batch_first=False``
     modules take and return ``(N, B, embed_dim)``.
 
     With ``process_group``, ``x`` is this rank's contiguous piece of the *ordered*
-    sequence (:func:`dilated_attention.ordering.shard` cuts it, as LongViT gives each
+    sequence (:func:`dilated_attention.nn.ordering.shard` cuts it, as LongViT gives each
     rank a row-major strip); it goes to ``attention`` as it is and the output is that
     piece of the ordered output.
     """

@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .plotting import pyplot, save
-from .reference import attention_weights_uniform, branch_offsets
+from ..utils.plotting import pyplot, save
+from ..reference import attention_weights_uniform, branch_offsets
 
 
 def summarize_heads(weights: torch.Tensor, offsets: list[torch.Tensor]) -> list[str]:
@@ -100,7 +100,7 @@ def attended_cells(order: torch.Tensor, query: int, segment_length: int, dilatio
 def grid_locality_table(height: int, width: int, segment_lengths: Sequence[int], orders: Sequence[str]) -> str:
     """Per order and segment length: the share of 4-neighbour patch pairs inside one
     segment and the mean bounding box of a segment, as a text table."""
-    from .ordering import grid_order, locality
+    from ..nn.ordering import grid_order, locality
 
     lines = [f"{height} x {width} grid: neighbour pairs inside one segment, mean segment bounding box (rows x cols)",
              f"{'order':<10}" + "".join(f"{f'w={w}':>22}" for w in segment_lengths)]
@@ -132,7 +132,7 @@ def draw_grid_pattern(
     column counting the branches per patch; return the :func:`grid_locality_table`.
     ``head``: the head drawn; ``None``: in each branch, the first head that keeps the
     query's row (in ``mixture`` with ``num_heads >= r`` there always is one)."""
-    from .ordering import grid_order
+    from ..nn.ordering import grid_order
 
     plt = pyplot()
     offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode, head_offsets)

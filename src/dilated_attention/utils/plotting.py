@@ -8,7 +8,7 @@ from .files import atomic_write
 
 def pyplot():
     """``matplotlib.pyplot`` on the non-interactive Agg backend, or a clear
-    :class:`dilated_attention.extras.MissingExtra`."""
+    :class:`dilated_attention.utils.extras.MissingExtra`."""
     require("plot", "drawing")
     import matplotlib
 

@@ -37,9 +37,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .benchmark import _seconds, _synchronize, machine_info
-from .cache import DilatedKVCache
-from .plotting import log_log, pyplot, save
-from .static_cache import StaticKVCache
+from ..nn.cache import DilatedKVCache
+from ..utils.plotting import log_log, pyplot, save
+from ..nn.static_cache import StaticKVCache
 
 # Dense caches larger than this are not measured (they would not fit such a machine).
 MAX_DENSE_BYTES = 8 * 2**30

@@ -284,7 +284,7 @@ def check_key_offset(key_offset, batch: int) -> tuple[int, ...]:
 
 def check_window(key_offset: int, num_queries: int, num_keys: int, segment_lengths) -> None:
     """The keys must reach back to the start of the segment of the first query, in
-    every branch (see :func:`dilated_attention.plan.window_start_needed`)."""
+    every branch (see :func:`dilated_attention.ops.plan.window_start_needed`)."""
     first_query = key_offset + num_keys - num_queries
     needed = window_start_needed(first_query, segment_lengths)
     if key_offset > needed:

@@ -1,7 +1,7 @@
 """Sequence parallelism over ``torch.distributed``: the exchanges between ranks.
 
 Rank ``k`` of a process group holds the ``k``-th contiguous shard of ``q, k, v``.
-:func:`dilated_attention.plan.make_shard_plan` says which rows of its keys and
+:func:`dilated_attention.ops.plan.make_shard_plan` says which rows of its keys and
 values each peer needs (only the selected rows of segments they share); this module
 checks that all ranks agree on the configuration (:func:`agree`), and an
 :class:`Exchange` packs those rows into one message per peer, sends them with

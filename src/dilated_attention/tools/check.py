@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from .functional import dilated_attention
-from .reference import reference_dilated_attention
+from ..functional import dilated_attention
+from ..reference import reference_dilated_attention
 
 # Relative tolerances per dtype against the float64 reference; low precision is
 # limited by its rounding of inputs held in the kernels, not by the algorithm.
@@ -115,7 +115,7 @@ class CaseResult:
 
 def run_case(case: Case, device, dtype, generator: Optional[torch.Generator] = None,
              kernel: Optional[str] = None) -> CaseResult:
-    """Draw random inputs, run library (``kernel``: see :mod:`dilated_attention.fused`)
+    """Draw random inputs, run library (``kernel``: see :mod:`dilated_attention.ops.fused`)
     and reference, compare output, LSE and the gradients of ``q, k, v`` for a random
     output gradient."""
     shape = (case.batch, case.seq_len, case.heads, case.head_dim)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import validation
+from ..ops import validation
 
 
 class RotaryEmbedding(nn.Module):
