@@ -311,19 +311,28 @@ def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_k
                          f"(1, {num_queries}), got {tuple(position_ids.shape)}")
     slots = torch.arange(num_keys - num_queries, num_keys, device=position_ids.device)
     first = position_ids.reshape(-1, num_queries).expand(batch, -1) - slots  # per query: its row's first slot
-    real = torch.ones_like(first, dtype=torch.bool) if mask is None else mask[:, num_keys - num_queries :]
-    real = real.to(first.device)
-    row_first = first.gather(1, real.int().argmax(1, keepdim=True))  # at each row's first real query
-    row_first = row_first.masked_fill(~real.any(1, keepdim=True), NO_QUERY)
-    agree = (first == row_first) | ~real
-    if not bool(agree.all()):
+    real = None if mask is None else mask[:, num_keys - num_queries :].to(first.device)
+    if real is None or bool(real.all()):  # every query real (a decode step): fewer operations
+        row_first = first[:, :1]
+        agree = first == row_first
+        real = None
+    else:
+        row_first = first.gather(1, real.int().argmax(1, keepdim=True))  # at each row's first real query
+        row_first = row_first.masked_fill(~real.any(1, keepdim=True), NO_QUERY)
+        agree = (first == row_first) | ~real
+    if num_queries > 1 and not bool(agree.all()):
         row = int((~agree.all(1)).nonzero()[0])
         raise ValueError(
             "position_ids must number each row's tokens consecutively (0, 1, 2, ... from its first token, or "
             "from its first slot); packed sequences and other positions are not supported (row "
-            f"{row}: slot minus position = {sorted(set((-first[row][real[row]]).tolist()))})"
+            f"{row}: slot minus position = {sorted(set((-first[row][_all_or(real, row)]).tolist()))})"
         )
     return row_first.squeeze(1).cpu()
+
+
+def _all_or(real: Optional[torch.Tensor], row: int):
+    """Row ``row``'s real queries as an index: all of them where ``real`` is ``None``."""
+    return slice(None) if real is None else real[row]
 
 
 NO_QUERY = -(2**62)  # the first-key position of a row whose queries are all padding
@@ -376,9 +385,9 @@ def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, 
         picked = None if out is None else torch.tensor(rows, device=query.device)
         q, k, v, m = (t if picked is None or t is None else t[picked] for t in (query, key, value, mask))
         queries = slice(max(drop - first_query_slot, 0), num_queries)
-        offsets = first[rows] + drop
+        offsets = [starts[row] + drop for row in rows]
         result = _attend(q[:, :, queries], k[:, :, drop:], v[:, :, drop:], None if m is None else m[:, drop:],
-                         offsets if len(set(offsets.tolist())) > 1 else int(offsets[0]), options, sinks)
+                         torch.tensor(offsets) if len(set(offsets)) > 1 else offsets[0], options, sinks)
         if out is None:
             return result
         out[picked, :, queries] = result

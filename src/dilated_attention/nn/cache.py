@@ -210,8 +210,8 @@ class DilatedKVCache:
             self._bad = None if self._bad is None else _moved(self._bad, capacity, kept_slots, dim=1)
             self._end = kept
         first = self._end
-        self._k[:, :, first : first + length] = k.detach().transpose(1, 2)
-        self._v[:, :, first : first + length] = v.detach().transpose(1, 2)
+        self._k.narrow(2, first, length).copy_(k.detach().transpose(1, 2))
+        self._v.narrow(2, first, length).copy_(v.detach().transpose(1, 2))
         if self._bad is not None:
             self._bad[:, first : first + length] = False if flags is None else flags
         self._end = first + length
@@ -290,7 +290,7 @@ class DilatedKVCache:
         stop = first_slot + q.shape[1]
         tables = decode.decode_tables(self.shape[1], self.segment_lengths, self.dilation_rates, self.mode,
                                       self.head_offsets, self.device)
-        out, _ = decode.attend_step(q, self._k[:, :, :stop], self._v[:, :, :stop],
+        out, _ = decode.attend_step(q, self._k.narrow(2, 0, stop), self._v.narrow(2, 0, stop),
                                          [position - first_slot for position in self._position], tables,
                                          self._kernel_scale)
         return out

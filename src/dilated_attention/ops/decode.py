@@ -60,8 +60,11 @@ class DecodeTables:
         """The cost of one query row per sequence at ``positions`` over one window and
         branch by branch, in (key, head) pairs read, a call counting
         :data:`BRANCH_CALLS_COST` (each branch-by-branch call covers every row, with
-        its longest keys)."""
+        its longest keys). Where the window costs at most one call, the branch-by-branch
+        cost is given as that one call: it can only be more, and the window wins either way."""
         window = len(positions) * num_heads * max(self.reach(p, p) for p in positions)
+        if window <= BRANCH_CALLS_COST:
+            return window, BRANCH_CALLS_COST
         branches = 0
         for _, _, chosen, _, groups in _phase_groups(self, positions):
             for phase, members in groups.items():
@@ -75,7 +78,11 @@ class DecodeTables:
         if last < 0:
             return 0
         first = max(first, 0)
-        return last - min(first // w * w for w, _, _, _ in self.branches) + 1
+        return last - min([first - first % w for w in self.segment_lengths]) + 1
+
+    @functools.cached_property
+    def segment_lengths(self) -> tuple[int, ...]:
+        return tuple(w for w, _, _, _ in self.branches)
 
 
 @functools.lru_cache(maxsize=64)
@@ -100,28 +107,35 @@ def decode_tables(num_heads: int, segment_lengths: tuple[int, ...], dilation_rat
     return DecodeTables(tuple(branches), (1 << num_heads) - 1, out_scale, tuple(query_heads))
 
 
-def window_bias(tables: DecodeTables, positions: Sequence[int], width: int, num_heads: int, device,
+def window_bias(tables: DecodeTables, firsts: Sequence[int], rows: int, width: int, num_heads: int, device,
                 dtype=torch.float32) -> tuple[torch.Tensor, bool]:
-    """The additive bias ``(H, Lq, width)`` of queries at ``positions`` (consecutive,
-    the last at the window's last key) over a window of ``width`` keys:
-    ``log(multiplicity)``; and whether some (query, head) attends to no key (a query
-    at a negative position, or selected by no branch)."""
-    last = positions[-1]
-    count = torch.zeros(num_heads, len(positions), width, device=device, dtype=dtype)
+    """The additive bias ``(len(firsts), H, rows, width)`` over a window of ``width``
+    keys of ``rows`` consecutive queries per sequence, the first at ``firsts[b]`` and the
+    last at the window's last key: ``log(multiplicity)``; and whether some (query,
+    head) attends to no key (a query at a negative position, or selected by no
+    branch). One tensor filled in place whatever the batch: a strided column view per
+    (sequence, query, branch)."""
+    # count - 1 from the start: log1p of it is log(count), fast where the count is 0 (log is not)
+    count = torch.full((len(firsts), num_heads, rows, width), -1.0, device=device, dtype=dtype)
     empty = False
-    for row, position in enumerate(positions):
-        counted = 0
-        if position >= 0:
-            end = width - (last - position)  # the window column after this query's own key
-            for w, r, heads, chosen in tables.branches:
-                into = position % w  # the query's place in its segment
-                phase = into % r
-                if phase < len(chosen) and chosen[phase]:
-                    # every r-th key from the segment's first one (column end - 1 - into)
-                    count[:, row, end - 1 - into + phase : end : r] += heads[phase]
-                    counted |= chosen[phase]
-        empty = empty or counted != tables.every_head
-    return count.sub_(1).log1p_(), empty  # log(count): -inf where 0 (log1p is fast there, log is not)
+    head_stride = rows * width
+    for sequence, first in enumerate(firsts):
+        for row in range(rows):
+            position = first + row
+            counted = 0
+            if position >= 0:
+                # the window column of this query's own key, in count's storage
+                own = (sequence * num_heads * rows + row) * width + width - rows + row
+                for w, r, heads, chosen in tables.branches:
+                    into = position % w  # the query's place in its segment
+                    phase = into % r
+                    if phase < len(chosen) and chosen[phase]:
+                        # every r-th key from the segment's first one (into columns back) to the query's own
+                        keys = (into - phase) // r + 1
+                        count.as_strided((num_heads, keys), (head_stride, r), own - (keys - 1) * r).add_(heads[phase])
+                        counted |= chosen[phase]
+            empty = empty or counted != tables.every_head
+    return count.log1p_(), empty  # log(count): -inf where 0
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: Sequence[int],
@@ -136,16 +150,11 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_posi
     num_keys = k.shape[2]
     firsts = [p + num_keys - rows for p in key_positions]  # the first query's position, per row
     width = max(1, min(num_keys, max(tables.reach(first, first + rows - 1) for first in firsts)))
-    distinct = list(dict.fromkeys(firsts))  # rows at one position share their bias
+    shared = len(set(firsts)) == 1  # sequences at one position share one bias
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the scores' dtype
-    parts = [window_bias(tables, range(first, first + rows), width, num_heads, q.device, dtype) for first in distinct]
-    empty = any(e for _, e in parts)
-    if len(parts) == 1:
-        bias = parts[0][0].unsqueeze(0)
-    else:
-        index = torch.tensor([distinct.index(first) for first in firsts], device=q.device)
-        bias = torch.stack([b for b, _ in parts]).index_select(0, index)
-    k, v = (contiguous_last_dim(t[:, :, num_keys - width :]) for t in (k, v))
+    bias, empty = window_bias(tables, firsts[:1] if shared else firsts, rows, width, num_heads, q.device, dtype)
+    k = contiguous_last_dim(k.narrow(2, num_keys - width, width))
+    v = contiguous_last_dim(v.narrow(2, num_keys - width, width))
     if padding is not None:
         bias = bias.masked_fill(padding[:, None, None, num_keys - width :], -math.inf)
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
