@@ -188,7 +188,7 @@ def test_unreadable_numbers_say_what_is_expected(argv, fragment, capsys):
         (["--verison"], "error: unrecognized option --verison: did you mean --version?"),
         (["--verison", "check"], "error: unrecognized option --verison: did you mean --version?"),
         (["bnech", "--heads", "2"], "error: unknown command 'bnech': did you mean bench? (commands: check, pattern, "
-                                    "bench, decode-bench, train, generate)"),
+                                    "bench, decode-bench, train, generate, evaluate)"),
         (["pattern", "--segmnet-lengths", "8", "--dilation-rates", "1"],
          "error: unrecognized option --segmnet-lengths: did you mean --segment-lengths?"),
         (["bench", "--sed-lens=64"], "error: unrecognized option --sed-lens: did you mean --seq-lens?"),

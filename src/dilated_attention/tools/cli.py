@@ -18,7 +18,7 @@ from .arguments import Parser, device_type, number, positive_float, positive_int
 from ..utils.extras import MissingExtra, require
 from ..utils.files import fresh_folder, write_results
 from ..ops.plan import MODES
-from ..training.commands import add_generate, add_train
+from ..training.commands import add_evaluate, add_generate, add_train
 
 DTYPES = validation.FLOAT_DTYPES
 
@@ -187,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decode_bench(sub)
     add_train(sub, _add_command)
     add_generate(sub, _add_command)
+    add_evaluate(sub, _add_command)
     return parser
 
 

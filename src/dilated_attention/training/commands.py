@@ -14,7 +14,7 @@ import torch
 
 from ..tools.arguments import device_type, number, seed
 from ..models import PRESETS, LongNetConfig
-from . import checkpoint, run_folder
+from . import checkpoint, run_folder, tasks
 from .run_folder import read_log, read_run_config
 from .settings import AUTOCAST_DTYPES, TrainSettings
 from .trainer import load_model, train
@@ -37,6 +37,8 @@ _SETTINGS = [
     ("--eval-interval", "eval_interval", number(int, 1), "steps between validation losses"),
     ("--eval-windows", "eval_windows", number(int, 1), "validation sequences per evaluation"),
     ("--checkpoint-interval", "checkpoint_interval", number(int, 1), "steps between checkpoints"),
+    ("--task-fraction", "task_fraction", number(float, 0),
+     "with --task: the fraction of training sequences that are task examples"),
 ]
 
 
@@ -63,6 +65,9 @@ def add_train(sub, add_command) -> None:
         shown = {"minutes": "no limit", "context": f"{defaults.context}, or the longest segment if longer"}.get(
             name, getattr(defaults, name))
         p.add_argument(option, dest=name, type=kind, help=f"{text} (default: {shown})")
+    p.add_argument("--task", choices=tasks.TASKS,
+                   help="mix examples of this long-range retrieval task into the training text (see the evaluate "
+                   "command), at random distances up to the context (default: none)")
     p.add_argument("--dtype", choices=sorted(AUTOCAST_DTYPES), help="compute dtype; bfloat16 runs under autocast, "
                    f"on CPU too (default: {defaults.dtype})")
     p.add_argument("--grad-checkpointing", action="store_true", default=None,
@@ -76,12 +81,15 @@ def add_train(sub, add_command) -> None:
 
 
 def _given_settings(args) -> dict:
-    names = [name for _, name, _, _ in _SETTINGS] + ["dtype", "grad_checkpointing", "sequence_parallel", "data"]
+    names = [name for _, name, _, _ in _SETTINGS] + ["dtype", "grad_checkpointing", "sequence_parallel", "data",
+                                                   "task"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _cmd_train(args) -> int:
     given = _given_settings(args)
+    if "task_fraction" in given and "task" not in given and not args.resume:
+        raise ValueError("--task-fraction needs --task: name the task to mix in (passkey or recall)")
     if args.resume:
         if args.preset or args.config:
             raise ValueError("a resumed run keeps its model: drop --preset/--config")
@@ -174,6 +182,44 @@ def add_generate(sub, add_command) -> None:
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampling, in [0, 2**63) (default: 0)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
     p.set_defaults(run=_cmd_generate)
+
+
+def add_evaluate(sub, add_command) -> None:
+    p = add_command(
+        sub, "evaluate", "Score a trained run on long-range retrieval, by distance.",
+        "Score the latest checkpoint of a run folder on a synthetic retrieval task at distances between fact "
+        "and question from the shortest up to the run's context, in powers of two: passkey (a five-digit key "
+        "hidden once in text of the run's validation split, asked for at the end) or recall (key-value pairs, "
+        "one key repeated at the end: its value must follow). An example counts as answered when greedy "
+        "decoding writes the answer exactly. Prints a table and writes retrieval-TASK.json, .txt and .png "
+        "(accuracy and answer loss against distance, each branch's reach marked) into the run folder.",
+    )
+    p.add_argument("--run", dest="run_dir", type=folder, metavar="RUN_DIR",
+                   help=f"the run folder (default: the newest under {RUNS}/)")
+    p.add_argument("--task", required=True, choices=tasks.TASKS, help="the task (required)")
+    p.add_argument("--examples", type=number(int, 1), default=32, help="examples per distance (default: 32)")
+    p.add_argument("--max-distance", type=number(int, 1),
+                   help="the longest distance; beyond the context, examples grow longer than the training "
+                   "sequences (default: as far as the run's context allows)")
+    p.add_argument("--batch-size", type=number(int, 1), default=8, help="examples per forward pass (default: 8)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the examples, in [0, 2**63) (default: 0)")
+    p.add_argument("--out", type=folder, help="folder for the results (default: the run folder)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
+    p.set_defaults(run=_cmd_evaluate)
+
+
+def _cmd_evaluate(args) -> int:
+    from .retrieval import evaluate_run, format_table
+
+    run_dir = args.run_dir or newest_run()
+    if args.max_distance is not None and args.max_distance < tasks.min_distance(args.task):
+        raise ValueError(f"--max-distance must be at least {tasks.min_distance(args.task)} for {args.task}, got "
+                         f"{args.max_distance}")
+    result = evaluate_run(run_dir, args.task, examples=args.examples, max_distance=args.max_distance,
+                          seed=args.seed, batch_size=args.batch_size, device=device_type(args.device), out=args.out)
+    print(format_table(result))
+    print(f"wrote {os.path.join(args.out or run_dir, 'retrieval-' + args.task)}.json, .txt and .png", file=sys.stderr)
+    return 0
 
 
 def newest_run(root: str = RUNS) -> str:

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from . import tasks
+
 # Folders of the standard library left out of the default corpus: third-party
 # packages, and the test suites (large, and full of deliberately odd text).
 _SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
@@ -107,16 +109,24 @@ def check_long_enough(corpus: Corpus, context: int) -> None:
 
 class Batches:
     """Random windows of ``context + 1`` bytes from ``data``: ``next()`` gives inputs
-    and next-byte targets, int64 ``(batch_size, context)`` each. The windows depend
-    only on ``seed`` and on how many batches came before, which ``state_dict`` keeps."""
+    and next-byte targets, int64 ``(batch_size, context)`` each. With ``task``, about
+    ``task_fraction`` of the rows are examples of that retrieval task instead
+    (:func:`dilated_attention.training.tasks.mix_into`; a passkey hides in ``data``).
+    The batches depend only on ``seed`` and on how many came before, which
+    ``state_dict`` keeps."""
 
-    def __init__(self, data: torch.Tensor, context: int, batch_size: int, seed: int):
+    def __init__(self, data: torch.Tensor, context: int, batch_size: int, seed: int, task: Optional[str] = None,
+                 task_fraction: float = 0.0):
         self.data, self.context, self.batch_size = data, context, batch_size
+        self.task, self.task_fraction = task, task_fraction
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, len(self.data) - self.context, (self.batch_size,), generator=self.generator)
-        return windows(self.data, starts, self.context)
+        inputs, targets = windows(self.data, starts, self.context)
+        if self.task is not None:
+            tasks.mix_into(inputs, targets, self.task, self.task_fraction, self.generator, filler=self.data)
+        return inputs, targets
 
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state()}

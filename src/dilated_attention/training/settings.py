@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ..ops import validation
+from . import tasks
 
 AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
@@ -26,7 +27,9 @@ class TrainSettings:
     cosine down to ``lr * min_lr_ratio``. AdamW (``weight_decay`` on matrices only),
     gradients clipped to norm ``grad_clip``. ``dtype``: ``"bfloat16"`` runs under
     autocast (CPU too). ``data``: a UTF-8 file or folder (default: the standard
-    library's sources).
+    library's sources). ``task``: ``"passkey"`` or ``"recall"`` mixes examples of that
+    long-range retrieval task (:mod:`dilated_attention.training.tasks`) into the
+    batches, a ``task_fraction`` of the sequences, at random distances.
     """
 
     context: int = 512
@@ -46,6 +49,8 @@ class TrainSettings:
     eval_windows: int = 16
     checkpoint_interval: int = 100
     sequence_parallel: bool = False
+    task: Optional[str] = None
+    task_fraction: float = 0.5
 
     def __post_init__(self):
         for name in ("context", "batch_size", "steps", "eval_interval", "eval_windows", "checkpoint_interval"):
@@ -64,6 +69,9 @@ class TrainSettings:
             self.minutes = validation.check_number(self.minutes, "minutes", 0, low_open=True)
         for name in ("grad_checkpointing", "sequence_parallel"):
             setattr(self, name, validation.check_flag(getattr(self, name), name))
+        if self.task is not None:
+            self.task = tasks.check_task(self.task)
+        self.task_fraction = validation.check_number(self.task_fraction, "task_fraction", 0, 1)
         if self.dtype not in AUTOCAST_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(AUTOCAST_DTYPES)}, got {self.dtype!r}")
         if self.data is not None:

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 from ..utils.extras import require
 from ..models import LongNetConfig, LongNetLM
-from . import checkpoint, parallel, run_folder
+from . import checkpoint, parallel, run_folder, tasks
 from .data import Batches, check_long_enough, evaluation_starts, load_corpus, windows
 from .settings import AUTOCAST_DTYPES, TrainSettings
 
@@ -191,7 +191,8 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
         fused=place.device.type == "cuda",
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: settings.learning_rate(step) / settings.lr)
-    batches = Batches(corpus.train, settings.context, settings.batch_size, settings.seed)
+    batches = Batches(corpus.train, settings.context, settings.batch_size, settings.seed, settings.task,
+                      settings.task_fraction)
     step, elapsed = 0, 0.0
     if state is not None:
         model.load_state_dict(state["model"])
@@ -332,6 +333,10 @@ def _check_model(model_config: LongNetConfig, settings: TrainSettings) -> None:
         raise ValueError(
             f"train reads text as bytes: the model's vocab_size must be 256, got {model_config.vocab_size}"
         )
+    if settings.task is not None and settings.context + 1 < tasks.min_length(settings.task, tasks.min_distance(
+            settings.task)):
+        raise ValueError(f"--context {settings.context} is too short for {settings.task} examples: use --context >= "
+                         f"{tasks.min_length(settings.task, tasks.min_distance(settings.task)) - 1}")
     if settings.context < model_config.max_segment:
         raise ValueError(
             f"--context {settings.context} is shorter than the longest segment ({model_config.max_segment}): the "
@@ -364,7 +369,8 @@ def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSet
     state = checkpoint.load_checkpoint(run_dir)
     _matching_config(run_dir, model_config, state)
     _check_model(model_config, settings)
-    if state["settings"] != _fixed_settings(settings):
+    # settings that checkpoints of earlier versions lack have their defaults
+    if {**_fixed_settings(TrainSettings()), **state["settings"]} != _fixed_settings(settings):
         raise ValueError(f"{os.path.join(run_dir, run_folder.CONFIG)}'s training settings differ from those of "
                          f"{run_dir}'s "
                          "checkpoint: restore config.json")

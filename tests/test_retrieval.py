@@ -1,0 +1,162 @@
+"""Long-range retrieval: the tasks' examples, the scoring, `evaluate`, and `train --task`."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilated_attention.training import TrainSettings, retrieval, tasks
+from dilated_attention.training.data import Batches
+
+from dilated_attention.tools.cli import main
+
+
+@st.composite
+def example_shapes(draw):
+    task = draw(st.sampled_from(tasks.TASKS))
+    distance = draw(st.integers(tasks.min_distance(task), 700))
+    length = tasks.min_length(task, distance) + draw(st.integers(0, 300))
+    return task, length, distance, draw(st.integers(0, 2**32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(example_shapes())
+def test_examples_place_the_fact_exactly_distance_before_the_answer(shape):
+    task, length, distance, seed = shape
+    example = tasks.make_example(task, length, distance, torch.Generator().manual_seed(seed))
+    text = bytes(example.tokens.tolist())
+    assert len(text) == length and example.distance == distance
+    answer = text[-example.answer :]
+    assert answer.isdigit() and len(answer) == example.answer
+    fact = length - example.answer - distance  # the fact's first answer byte
+    assert text[fact : fact + example.answer] == answer
+    if task == "passkey":
+        question = tasks.PASSKEY_QUESTION
+        assert text.count(b"PASSKEY") == 2  # the fact and the question, nothing else
+    else:
+        question = text[-example.answer - 1 - tasks.RECALL_KEY - 1 : -example.answer]
+        assert question[:1] == b" " and question[1:-1].isalpha() and question[-1:] == b"="
+        keys = [pair.split(b"=")[0] for pair in text.replace(b";", b" ").split()]
+        assert all(k.isalpha() and len(k) == tasks.RECALL_KEY for k in keys)
+        assert text.count(question) == 2  # the queried key: its pair, and the question
+    assert text[fact - len(question) : fact] == question
+    assert text[: -example.answer].endswith(question)
+
+
+def test_examples_refuse_impossible_shapes():
+    generator = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="task must be one of"):
+        tasks.make_example("needle", 100, 20, generator)
+    with pytest.raises(ValueError, match="distance must be at least 18"):
+        tasks.make_example("passkey", 100, 17, generator)
+    with pytest.raises(ValueError, match="length must be at least"):
+        tasks.make_example("recall", 50, 45, generator)
+
+
+class InductionCopier(torch.nn.Module):
+    """Predicts, at each of the last ``rows`` positions, the byte that followed the
+    latest earlier occurrence of the last ``k`` bytes (a perfect copier); other
+    positions get zeros (the scoring reads only the answer's)."""
+
+    def __init__(self, k: int, rows: int):
+        super().__init__()
+        self.k, self.rows = k, rows
+
+    def forward(self, tokens):
+        logits = torch.zeros(*tokens.shape, 256)
+        for b, row in enumerate(tokens.tolist()):
+            for i in range(len(row) - self.rows, len(row)):
+                suffix = row[i - self.k + 1 : i + 1]
+                for j in range(i - 1, self.k - 2, -1):
+                    if row[j - self.k + 1 : j + 1] == suffix:
+                        logits[b, i, row[j + 1]] = 1.0
+                        break
+        return logits
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_a_perfect_copier_answers_at_every_distance(task):
+    at = retrieval.distances(task, 1000)
+    assert at == [2**k for k in range(4 if task == "recall" else 5, 10)]
+    result = retrieval.score(InductionCopier(k=6, rows=6), task, 300, at, examples=5, seed=3, batch_size=2)
+    assert [s.distance for s in result.scores] == at
+    assert [s.length for s in result.scores] == [max(300, tasks.min_length(task, d)) for d in at]
+    assert all(s.accuracy == 1.0 and s.examples == 5 for s in result.scores)
+    assert all(s.answer_bits < 8.0 for s in result.scores)
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_a_constant_model_scores_chance(task):
+    def constant(tokens):
+        return torch.full((*tokens.shape, 256), 0.25)
+
+    result = retrieval.score(constant, task, 128, [32, 64], examples=7, batch_size=3)
+    assert result.chance == tasks.chance(task) == 10.0 ** -(5 if task == "passkey" else 4)
+    for s in result.scores:
+        assert s.accuracy == 0.0  # its answer is byte 0, never a digit: below chance, as a guess can be
+        assert s.answer_bits == pytest.approx(8.0, abs=1e-5)  # uniform over 256 bytes
+
+
+def test_scores_depend_on_the_seed_only():
+    def model(tokens):  # "the same byte again": its loss depends on the examples' digits
+        return torch.nn.functional.one_hot(tokens, 256).float() * 3
+    first, again, other = (retrieval.score(model, "recall", 200, [16, 64], examples=6, seed=s) for s in (1, 1, 2))
+    assert first.scores == again.scores
+    assert [s.answer_bits for s in first.scores] != [s.answer_bits for s in other.scores]
+
+
+def test_training_batches_mix_task_examples_reproducibly():
+    data = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 200), dtype=torch.uint8)
+    batches = Batches(data, 256, 8, seed=5, task="passkey", task_fraction=1.0)
+    inputs, targets = batches.next()
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    for row in inputs.tolist():
+        assert bytes(row).count(b"PASSKEY") == 2
+    state = batches.state_dict()
+    following = batches.next()
+    batches.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(batches.next(), following))
+    none = Batches(data, 256, 8, seed=5, task="recall", task_fraction=0.0).next()[0]
+    assert not any(b"=" in bytes(row) for row in none.tolist())
+
+
+def test_train_settings_check_the_task():
+    with pytest.raises(ValueError, match="task must be one of"):
+        TrainSettings(task="copy")
+    with pytest.raises(ValueError, match="task_fraction"):
+        TrainSettings(task="recall", task_fraction=1.5)
+
+
+def test_train_with_a_task_then_evaluate_the_run(tmp_path, capsys):
+    run, text = str(tmp_path / "run"), tmp_path / "text.py"
+    text.write_text("def f(x):\n    return x + 1\n" * 400)
+    assert main(["train", "--out", run, "--data", str(text), "--steps", "2", "--context", "256", "--batch-size", "2",
+                 "--task", "passkey", "--task-fraction", "1", "--eval-windows", "2", "--no-progress"]) == 0
+    with open(os.path.join(run, "config.json")) as f:
+        saved = json.load(f)["training"]
+    assert saved["task"] == "passkey" and saved["task_fraction"] == 1.0
+    capsys.readouterr()
+    assert main(["evaluate", "--run", run, "--task", "recall", "--examples", "3", "--max-distance", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "recall: accuracy" in out and "w=256, r=4: 256" in out
+    with open(os.path.join(run, "retrieval-recall.json")) as f:
+        result = json.load(f)
+    assert [s["distance"] for s in result["scores"]] == [16, 32, 64]
+    for s in result["scores"]:
+        assert s["examples"] == 3 and 0 <= s["accuracy"] <= 1 and math.isfinite(s["answer_bits"])
+    assert os.path.getsize(os.path.join(run, "retrieval-recall.png")) > 10_000
+    assert result["about"]["context"] == 256
+    assert main(["evaluate", "--run", run, "--task", "passkey", "--examples", "2", "--max-distance", "40",
+                 "--out", str(tmp_path / "elsewhere")]) == 0  # the passkey hides in the run's own text
+    assert os.path.isfile(tmp_path / "elsewhere" / "retrieval-passkey.json")
+
+
+def test_evaluate_and_train_refuse_bad_task_options(tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path / "r"), "--task-fraction", "0.3", "--steps", "1"]) != 0
+    assert "--task-fraction needs --task" in capsys.readouterr().err
+    assert main(["evaluate", "--run", str(tmp_path / "none"), "--task", "passkey", "--max-distance", "5"]) != 0
+    assert "--max-distance must be at least 18" in capsys.readouterr().err
