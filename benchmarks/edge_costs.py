@@ -20,9 +20,9 @@ import time
 import torch
 
 from dilated_attention import dilated_attention
+from dilated_attention.ops.plan import make_plan
 from dilated_attention.tools.benchmark import PeakMemory, machine_info
 from dilated_attention.utils.files import write_results
-from dilated_attention.ops.plan import make_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADS, HEAD_DIM = 8, 64

@@ -29,11 +29,11 @@ import time
 import torch
 from torch.nn import functional as F
 
-from dilated_attention.tools.benchmark import PeakMemory, machine_info
-from dilated_attention.utils.files import write_results
 from dilated_attention.models import LongNetConfig, LongNetLM
-from dilated_attention.utils.plotting import pyplot, save
+from dilated_attention.tools.benchmark import PeakMemory, machine_info
 from dilated_attention.training import TrainSettings, read_log, train
+from dilated_attention.utils.files import write_results
+from dilated_attention.utils.plotting import pyplot, save
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PRESET = "small"
@@ -59,7 +59,7 @@ def step_cost(config: LongNetConfig, context: int, device: torch.device, repeats
 
     step()  # warm-up: the optimizer's state is allocated here
     times, peak = [], None
-    for i in range(repeats):
+    for _ in range(repeats):
         with PeakMemory(device) as memory:
             start = time.perf_counter()
             step()
@@ -86,10 +86,10 @@ def speed(args, device) -> tuple[dict, str]:
             predicted[name] = cost["seconds"] * (4 if name == "dense" else 1) * 4  # contexts grow 4x
             print(f"{name:8} {context:6}: {cost['tokens_per_s']:8.0f} tokens/s, {cost['peak_mib']:7.0f} MiB",
                   flush=True)
-    lines = [f"LongNet '{PRESET}' training step, batch 1, float32, {device.type} ({machine_info(device)['cpu']}, "
-             f"{torch.get_num_threads()} threads)",
-             f"{'context':>8} {'dilated tok/s':>14} {'dense tok/s':>12} {'speed-up':>9} "
-             f"{'dilated MiB':>12} {'dense MiB':>10}"]
+    lines = [(f"LongNet '{PRESET}' training step, batch 1, float32, {device.type} ({machine_info(device)['cpu']}, "
+             f"{torch.get_num_threads()} threads)"),
+             (f"{'context':>8} {'dilated tok/s':>14} {'dense tok/s':>12} {'speed-up':>9} "
+             f"{'dilated MiB':>12} {'dense MiB':>10}")]
     for context in args.contexts:
         d, s = (next(r for r in rows if r["context"] == context and r["attention"] == a) for a in ("dilated", "dense"))
         if "seconds" in s:
@@ -115,8 +115,8 @@ def quality(args, device) -> tuple[dict, str]:
             train(run, settings, config, device=device.type, progress=True)
             curves[name] = [{k: r[k] for k in ("step", "elapsed_s", "loss", "bpb", "val_bpb") if k in r}
                             for r in read_log(run)]
-    lines = [f"LongNet '{PRESET}', context {args.context}, batch 1, {args.minutes} min of training time each, "
-             f"{device.type} ({machine_info(device)['cpu']}, {torch.get_num_threads()} threads)",
+    lines = [(f"LongNet '{PRESET}', context {args.context}, batch 1, {args.minutes} min of training time each, "
+             f"{device.type} ({machine_info(device)['cpu']}, {torch.get_num_threads()} threads)"),
              f"{'attention':>10} {'steps':>6} {'tokens':>10} {'val bits/byte':>14}"]
     for name, records in curves.items():
         evaluated = [r for r in records if "val_bpb" in r]
@@ -128,7 +128,7 @@ def quality(args, device) -> tuple[dict, str]:
 def plot_quality(payload: dict, path: str, title: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for (name, records), color in zip(payload["curves"].items(), ("C0", "C3")):
+    for (name, records), color in zip(payload["curves"].items(), ("C0", "C3"), strict=True):
         ax.plot([r["elapsed_s"] for r in records], [r["bpb"] for r in records], color=color, lw=0.6, alpha=0.4)
         evaluated = [r for r in records if "val_bpb" in r]
         ax.plot([r["elapsed_s"] for r in evaluated], [r["val_bpb"] for r in evaluated], "o-", color=color, ms=3,

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from dilated_attention import dilated_attention
+from dilated_attention.ops.distributed import Communicator
 from dilated_attention.tools.benchmark import PeakMemory
 from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES, max_relative_error
-from dilated_attention.ops.distributed import Communicator
 from dilated_attention.utils.files import atomic_write
 
 

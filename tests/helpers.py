@@ -9,7 +9,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dilated_attention.functional as functional
 from dilated_attention.ops.plan import HEAD_OFFSETS, MODES, window_start_needed
 
-
 MEMORY_LAYOUTS = ("contiguous", "head_dim_strided", "sliced", "expanded")
 
 

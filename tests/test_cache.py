@@ -5,12 +5,12 @@ import re
 
 import pytest
 import torch
-from helpers import configs, random_inputs, split_config
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, reference_dilated_attention
 from dilated_attention.tools.check import TOLERANCES, max_relative_error
+from helpers import configs, random_inputs, split_config
 
 
 @st.composite
@@ -131,13 +131,13 @@ def test_gradients_reach_the_queries_and_the_new_keys():
     window = [t.detach().requires_grad_() for t in (q, k, v)]
     ref, _ = reference_dilated_attention(*window, segs, rates, is_causal=True)
     ref_grads = torch.autograd.grad(ref[:, 7:].square().sum(), window)
-    for grad, ref_grad in zip(grads, ref_grads):
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
         assert max_relative_error(grad[:, 7:], ref_grad[:, 7:]) <= 1e-12  # earlier rows: detached in the cache
         assert torch.all(grad[:, :7] == 0)
 
 
 @pytest.mark.parametrize(
-    "call,fragment",
+    ("call", "fragment"),
     [
         (lambda c: c.attend(*[torch.randn(2, 1, 2, 3)] * 3), "the cache holds 1 sequence, but q has a batch of 2"),
         (lambda c: c.attend(*[torch.randn(1, 1, 3, 3)] * 3), "q must have shape (batch=1, L >= 1, heads=2"),
@@ -196,7 +196,7 @@ def test_inference_mode_then_normal_use_and_canonical_devices():
 
 
 @pytest.mark.parametrize(
-    "start,fragment",
+    ("start", "fragment"),
     [
         (2**64, "start must be at most 2**62 (positions are int64), got 18446744073709551616"),
         (2**62 + 8, "start must be at most 2**62"),
@@ -243,8 +243,8 @@ def test_a_call_that_fails_leaves_the_cache_as_it_was(chunk, poison, monkeypatch
     """Bad input is refused before the cache changes; should the attention itself
     raise after the keys were appended, the append is undone: a retry gives exactly
     the output of a cache that never failed."""
-    import dilated_attention.ops.decode as decode
     import dilated_attention.functional as functional
+    import dilated_attention.ops.decode as decode
 
     segs, rates = [4, 8], [1, 2]
     gen = torch.Generator().manual_seed(chunk)
@@ -283,8 +283,8 @@ def test_a_batch_of_another_size_names_the_caches():
     from dilated_attention.nn.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(5)
-    fix = "feed the next positions of every sequence in each call, or first keep only those to continue with " \
-          "cache.reorder(indices)"
+    fix = ("feed the next positions of every sequence in each call, or first keep only those to continue with "
+           "cache.reorder(indices)")
     cache = DilatedKVCache(3, 2, 4, [4, 8], [1, 2])
     x = torch.randn(2, 1, 2, 4, generator=gen)
     with pytest.raises(ValueError, match=re.escape("the cache holds 3 sequences, but q has a batch of 2: " + fix)):

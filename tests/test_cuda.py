@@ -6,12 +6,12 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import configs, random_inputs, split_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
+from helpers import configs, random_inputs, split_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -115,7 +115,7 @@ def _cuda_against_reference(q, k, v, grad, grad_lse, mask, dtype, attn, kernel="
 
 @needs_triton
 @settings(max_examples=30, deadline=None)
-@given(configs(max_len=200, max_heads=6, grouped_query=True), st.sampled_from(LOW + [torch.float32]))
+@given(configs(max_len=200, max_heads=6, grouped_query=True), st.sampled_from([*LOW, torch.float32]))
 def test_triton_cuda_matches_the_reference(cfg, dtype):
     cfg = dict(cfg, softmax_scale=None if cfg["softmax_scale"] == -1.3 else cfg["softmax_scale"])
     inputs, attn = split_config(cfg)
@@ -185,7 +185,7 @@ def test_a_static_cache_step_replays_from_a_cuda_graph():
     with torch.cuda.graph(graph):
         out = cache.attend(*inputs)
     for i in range(40):
-        for buffer, source in zip(inputs, (q, k, v)):
+        for buffer, source in zip(inputs, (q, k, v), strict=True):
             buffer.copy_(source[:, i : i + 1])
         graph.replay()
         assert torch.equal(out, eager.attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]))

@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
-from helpers import configs, random_inputs, split_config, windows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dilated_attention.ops import decode
 from dilated_attention import reference_dilated_attention
+from dilated_attention.ops import decode
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
+from helpers import configs, random_inputs, split_config, windows
 
 
 def tables_of(attn, heads):
@@ -87,7 +87,7 @@ def test_padding_and_rows_at_negative_positions():
         q[1:], k[1:], v[1:], is_causal=True, **attn)[0][:, 19:]) <= 1e-10
 
 
-@pytest.mark.parametrize("cost, expected", [(-(10**12), "branch_attention"), (10**12, "window_attention")])
+@pytest.mark.parametrize(("cost", "expected"), [(-(10**12), "branch_attention"), (10**12, "window_attention")])
 def test_the_step_takes_the_cheaper_way(cost, expected, monkeypatch):
     (q, k, v), _, _ = random_inputs(4, 1, 63, 4, 8)
     q, k, v = (t.detach() for t in (q, k, v))

@@ -18,19 +18,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import with_memory_layout
-
 from dilated_attention import dilated_attention
-from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES, lse_error, max_relative_error
 from dilated_attention.ops.distributed import Communicator
 from dilated_attention.reference import branch_offsets, branch_pattern
+from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES, lse_error, max_relative_error
+from helpers import with_memory_layout
 
 TIMEOUT_S = 300
 
 
 def shard_bounds(lengths):
     starts = [sum(lengths[:k]) for k in range(len(lengths))]
-    return [(s, s + n) for s, n in zip(starts, lengths)]
+    return [(s, s + n) for s, n in zip(starts, lengths, strict=True)]
 
 
 def minimum_bytes(case, lengths, sender, receiver, itemsize):
@@ -42,7 +41,7 @@ def minimum_bytes(case, lengths, sender, receiver, itemsize):
     (s0, s1), (r0, r1) = shard_bounds(lengths)[sender], shard_bounds(lengths)[receiver]
     needed = torch.zeros(h, s1 - s0, dtype=torch.bool)  # (head, key) cells, over all branches
     segs, rates = case["segment_lengths"], case["dilation_rates"]
-    for w, r, offs in zip(segs, rates, branch_offsets(h, segs, rates, case["mode"])):
+    for w, r, offs in zip(segs, rates, branch_offsets(h, segs, rates, case["mode"]), strict=True):
         needed |= branch_pattern(n, w, r, offs, case["is_causal"])[:, r0:r1, s0:s1].any(dim=1)
     mask_rows = int(needed.any(dim=0).sum()) if case["masked"] else 0
     return case["batch"] * itemsize * (2 * int(needed.sum()) * case["head_dim"] + mask_rows)
@@ -270,11 +269,11 @@ def aligned_case(world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_every_world_size_matches_one_process(world, tmp_path):
-    cases = [aligned_case(world)] + make_cases(world, 12 if world < 8 else 6, seed=world)
+    cases = [aligned_case(world), *make_cases(world, 12 if world < 8 else 6, seed=world)]
     reports = launch(world, tmp_path, cases)
     assert sorted(reports) == list(range(world))
     for rank, report in reports.items():
-        for case, (errors, moved) in zip(cases, report["cases"]):
+        for case, (errors, moved) in zip(cases, report["cases"], strict=True):
             tolerance = ONE_PROCESS_TOLERANCES[getattr(torch, case.get("dtype", "float64"))]
             assert errors["out"] <= tolerance, (rank, case, errors)
             assert errors["lse"] <= tolerance, (rank, case, errors)

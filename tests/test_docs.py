@@ -20,7 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-BLOCK = re.compile(r"(?:<!--(?P<directives>[^>]*)-->\n)?```python\n(?P<code>.*?)^```", re.S | re.M)
+BLOCK = re.compile(r"(?:<!--(?P<directives>[^>]*)-->\n)?```python\n(?P<code>.*?)^```", re.DOTALL | re.MULTILINE)
 TIMEOUT_S = 300
 
 
@@ -68,7 +68,7 @@ def test_every_python_fence_is_found():
     assert len(BLOCKS) >= 15
 
 
-@pytest.mark.parametrize("path, line, directives, code", BLOCKS)
+@pytest.mark.parametrize(("path", "line", "directives", "code"), BLOCKS)
 def test_python_block_runs_as_written(path, line, directives, code, tmp_path, monkeypatch, capsys):
     if "transformers" in code:
         pytest.importorskip("transformers")
@@ -97,7 +97,7 @@ def test_readme_keeps_two_setup_commands_and_stays_short():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 200
     setup = text.split("\n## Setup\n", 1)[1].split("\n## ", 1)[0]
-    commands = re.findall(r"```bash\n(.*?)```", setup, re.S)
+    commands = re.findall(r"```bash\n(.*?)```", setup, re.DOTALL)
     assert len(commands) == 2 and all(command.count("\n") == 1 for command in commands), commands
     assert commands[0].startswith("python3 -m pip install -r requirements.txt && ")
     assert "python3 -m dilated_attention train && python3 -m dilated_attention generate" in commands[0]

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
-from helpers import option_help
 
 from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES
+from helpers import option_help
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 TIMEOUT_S = 300

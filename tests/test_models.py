@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from dilated_attention import MultiheadDilatedAttention
 from dilated_attention.models import LongNetConfig, LongNetLM, sample_next
 from dilated_attention.models.config import PRESETS
-from dilated_attention.ops.plan import HEAD_OFFSETS, MODES
 from dilated_attention.nn.rotary import RotaryEmbedding
+from dilated_attention.ops.plan import HEAD_OFFSETS, MODES
 
 
 def small_config(**changes):
@@ -115,7 +115,10 @@ def test_sampling_keeps_only_the_top_k_and_the_top_p_tokens():
     probabilities = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probabilities.log()
     gen = torch.Generator().manual_seed(0)
-    drawn = lambda **kw: {int(sample_next(logits, generator=gen, **kw)) for _ in range(300)}  # noqa: E731
+
+    def drawn(**kw):
+        return {int(sample_next(logits, generator=gen, **kw)) for _ in range(300)}
+
     assert drawn(top_k=2) == {0, 1}
     assert drawn(top_p=0.5) == {0}
     assert drawn(top_p=0.8) == {0, 1}
@@ -124,7 +127,7 @@ def test_sampling_keeps_only_the_top_k_and_the_top_p_tokens():
     assert int(sample_next(logits, temperature=0)) == 0
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
+@pytest.mark.parametrize(("kwargs", "fragment"), [
     (dict(temperature=-1), "temperature must be a finite number >= 0"),
     (dict(top_p=0), "top_p must be a finite number in (0, 1]"),
     (dict(top_k=0), "top_k must be >= 1"),
@@ -160,7 +163,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model.zero_grad()
         model(tokens).logsumexp(-1).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -188,7 +191,7 @@ def test_config_round_trips_through_json_and_presets_match_the_paper():
     assert LongNetConfig.preset("tiny", depth=3).depth == 3
 
 
-@pytest.mark.parametrize("changes,fragment", [
+@pytest.mark.parametrize(("changes", "fragment"), [
     (dict(dim=30, heads=4), "dim (30) must be divisible by heads (4)"),
     (dict(dim=12, heads=4), "rotary positions need an even head dim"),
     (dict(segment_lengths=(4, 8), dilation_rates=(1,)), "dilation_rates"),
@@ -210,7 +213,7 @@ def test_unknown_config_fields_and_presets_are_named():
         LongNetConfig.from_json("{")
 
 
-@pytest.mark.parametrize("tokens,fragment", [
+@pytest.mark.parametrize(("tokens", "fragment"), [
     (torch.tensor([[1, 40]]), r"token ids must lie in \[0, vocab_size=37\)"),
     (torch.rand(1, 3), "int64 \\(or int32\\) token ids of shape"),
     (torch.tensor([[1, 2]], dtype=torch.uint8), "convert ids with .long"),

@@ -234,7 +234,7 @@ def _torchscale_longvit_attention(q, k, v, segment_lengths, dilation_rates):
     ``softmax(lse)`` over the branches (``scattering``)."""
     batch, length, heads, dim = q.shape
     outs, lses = [], []
-    for w, r in zip(segment_lengths, dilation_rates):
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
         out = torch.zeros_like(q)
         lse = torch.full((batch, length, heads), -1e8, dtype=q.dtype)
         group = -(-heads // r)
@@ -247,7 +247,7 @@ def _torchscale_longvit_attention(q, k, v, segment_lengths, dilation_rates):
         outs.append(out)
         lses.append(lse)
     weights = torch.stack(lses).softmax(0)
-    return sum(o * w.unsqueeze(-1) for o, w in zip(outs, weights))
+    return sum(o * w.unsqueeze(-1) for o, w in zip(outs, weights, strict=True))
 
 
 def test_longvit_attention_is_reproduced_exactly():
@@ -273,8 +273,8 @@ def test_longvit_attention_is_reproduced_exactly():
 def test_the_drawn_patches_are_the_references_keys(kind):
     """What the grid picture shades for a query patch and a head: the keys the
     reference lets it attend to in that branch, on the ordered sequence."""
-    from dilated_attention.tools.pattern import attended_cells
     from dilated_attention.reference import branch_offsets, branch_pattern
+    from dilated_attention.tools.pattern import attended_cells
 
     height, width, heads = 5, 9, 3
     order = grid_order(kind, height, width)

@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import torch
+
 from test_docs import ROOT, named_block
 
 TIMEOUT_S = 400

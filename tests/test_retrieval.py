@@ -9,10 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dilated_attention.tools.cli import main
 from dilated_attention.training import TrainSettings, retrieval, tasks
 from dilated_attention.training.data import Batches
-
-from dilated_attention.tools.cli import main
 
 
 @st.composite
@@ -119,7 +118,7 @@ def test_training_batches_mix_task_examples_reproducibly():
     state = batches.state_dict()
     following = batches.next()
     batches.load_state_dict(state)
-    assert all(torch.equal(a, b) for a, b in zip(batches.next(), following))
+    assert all(torch.equal(a, b) for a, b in zip(batches.next(), following, strict=True))
     none = Batches(data, 256, 8, seed=5, task="recall", task_fraction=0.0).next()[0]
     assert not any(b"=" in bytes(row) for row in none.tolist())
 

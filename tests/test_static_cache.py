@@ -4,13 +4,13 @@ loop that compiles once under torch.compile(fullgraph=True)."""
 import pytest
 import torch
 import torch._dynamo
-from helpers import configs, poison, random_inputs, split_config
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, StaticKVCache, reference_dilated_attention
-from dilated_attention.tools.check import TOLERANCES, max_relative_error
 from dilated_attention.models import LongNetConfig, LongNetLM
+from dilated_attention.tools.check import TOLERANCES, max_relative_error
+from helpers import configs, poison, random_inputs, split_config
 
 
 def static_cache(cfg, attn, pads, max_chunk, dtype=torch.float64):

@@ -12,10 +12,9 @@ import sys
 import pytest
 import torch
 
-from dilated_attention.tools.cli import main
 from dilated_attention.models import LongNetConfig
-from dilated_attention.training import TrainSettings, load_corpus, load_model, read_log, train
-from dilated_attention.training import checkpoint
+from dilated_attention.tools.cli import main
+from dilated_attention.training import TrainSettings, checkpoint, load_corpus, load_model, read_log, train
 from dilated_attention.training.data import Batches, split
 
 TIMEOUT_S = 240
@@ -105,11 +104,11 @@ def test_two_processes_compute_the_losses_of_one(tmp_path, text_file, mode):
     windows = "1" if mode == "data" else "3"  # rank 1 evaluates no window, or fewer than rank 0
     common = ["--config", str(config), "--data", text_file, "--context", "63", "--batch-size", "4", "--steps", "5",
               "--eval-interval", "5", "--eval-windows", windows, "--no-progress", "--device", "cpu"]
-    _launch(common + ["--out", str(tmp_path / "one")], 1)
+    _launch([*common, "--out", str(tmp_path / "one")], 1)
     _launch(common + ["--out", str(tmp_path / "two")] + (["--sequence-parallel"] if mode == "sequence" else []), 2)
     one, two = read_log(str(tmp_path / "one")), read_log(str(tmp_path / "two"))
     assert [r["step"] for r in two] == list(range(1, 6))
-    for a, b in zip(one, two):
+    for a, b in zip(one, two, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     assert two[-1]["val_bpb"] == pytest.approx(one[-1]["val_bpb"], rel=1e-4)
 
@@ -119,8 +118,8 @@ def test_sequence_parallel_with_dropout_resumes_exactly(tmp_path, text_file):
     config.write_text(CONFIG.replace(dropout=0.2).to_json())
     common = ["--config", str(config), "--data", text_file, "--context", "63", "--batch-size", "2", "--steps", "5",
               "--no-progress", "--device", "cpu", "--sequence-parallel"]
-    _launch(common + ["--out", str(tmp_path / "whole")], 2)
-    _launch(common + ["--out", str(tmp_path / "parts"), "--minutes", "1e-9"], 2)  # stops after step 1
+    _launch([*common, "--out", str(tmp_path / "whole")], 2)
+    _launch([*common, "--out", str(tmp_path / "parts"), "--minutes", "1e-9"], 2)  # stops after step 1
     assert len(read_log(str(tmp_path / "parts"))) == 1
     _launch(["--resume", str(tmp_path / "parts"), "--no-progress"], 2)
     assert losses(str(tmp_path / "parts")) == losses(str(tmp_path / "whole"))
@@ -240,7 +239,7 @@ def test_batches_resume_from_their_state():
     b = Batches(data, 16, 3, seed=123)
     b.load_state_dict(state)
     got = b.next()
-    assert all(torch.equal(x, y) for x, y in zip(got, expected))
+    assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
     assert torch.equal(got[0][:, 1:], got[1][:, :-1])
 
 
@@ -255,10 +254,10 @@ def _flip_inside_a_tensor(path, count=64):
         record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
         with archive.open(record) as f:
             f.read()
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(pathlib.Path(path).read_bytes())
     start = record.header_offset + 30 + len(record.filename) + len(record.extra) + record.file_size // 2
     data[start : start + count] = bytes(b ^ 0xFF for b in data[start : start + count])
-    open(path, "wb").write(bytes(data))
+    pathlib.Path(path).write_bytes(bytes(data))
 
 
 def test_a_damaged_checkpoint_is_refused_and_the_previous_one_recovers_the_run(tmp_path, text_file, capsys):
@@ -276,9 +275,9 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_recovers_the_run(t
                  progress=False)["step"] == 6
     assert [r["step"] for r in read_log(run)] == list(range(1, 7))
 
-    whole = bytearray(open(latest, "rb").read())  # 100 KB zeroed, and no earlier checkpoint kept
+    whole = bytearray(pathlib.Path(latest).read_bytes())  # 100 KB zeroed, and no earlier checkpoint kept
     whole[len(whole) // 4 : len(whole) // 4 + 100_000] = bytes(100_000)
-    open(latest, "wb").write(bytes(whole))
+    pathlib.Path(latest).write_bytes(bytes(whole))
     os.remove(previous)
     message = _error(["generate", "--run", run, "--prompt", "a"], capsys)
     assert "is damaged" in message and "No earlier checkpoint of this run is kept" in message
@@ -364,7 +363,7 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, text_fi
 
     run = str(tmp_path / "run")
     train(run, settings(text_file, steps=2), CONFIG, progress=False)
-    before = open(os.path.join(run, "checkpoint.pt"), "rb").read()
+    before = pathlib.Path(run, "checkpoint.pt").read_bytes()
 
     class FullDisk:
         """A file on a device that takes 1000 bytes more, then reports ENOSPC."""
@@ -387,12 +386,15 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, text_fi
         def __exit__(self, *exc):
             return self.f.__exit__(*exc)
 
-    monkeypatch.setattr(files, "open", lambda *a, **kw: FullDisk(open(*a, **kw)), raising=False)
+    def full_disk_open(*args, **kwargs):
+        return FullDisk(open(*args, **kwargs))
+
+    monkeypatch.setattr(files, "open", full_disk_open, raising=False)
     message = _error(["train", "--resume", run, "--steps", "3", "--no-progress"], capsys)
     monkeypatch.undo()
     assert "no space left on the device writing the checkpoint" in message
     assert "the previous checkpoint is intact" in message and "Traceback" not in message
-    assert open(os.path.join(run, "checkpoint.pt"), "rb").read() == before
+    assert pathlib.Path(run, "checkpoint.pt").read_bytes() == before
     assert not [name for name in os.listdir(run) if name.endswith(".tmp")]
 
 
@@ -419,7 +421,7 @@ def test_evaluation_runs_in_batches_no_larger_than_the_training_batch(tmp_path, 
     assert read_log(run)[-1]["val_bpb"] == pytest.approx(whole, rel=1e-5)
 
 
-@pytest.mark.parametrize("argv,fragment", [
+@pytest.mark.parametrize(("argv", "fragment"), [
     (["train", "--lr", "1e308"], "lr must be a finite number in (0, 1]"),
     (["train", "--weight-decay", "1e5"], "weight_decay must be a finite number in [0, 333.333]"),
     (["train", "--seed", str(2**70)], "argument --seed: must be below 2**63"),
@@ -501,7 +503,7 @@ def test_progress_reports_bits_per_byte_and_the_mean_speed_of_the_interval(tmp_p
     records = read_log(run)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
     assert len(lines) == 2
-    for line, interval in zip(lines, (records[:3], records[3:])):
+    for line, interval in zip(lines, (records[:3], records[3:]), strict=True):
         tokens = sum(4 * 64 for _ in interval)
         seconds = sum(4 * 64 / r["tokens_per_s"] for r in interval)
         shown = float(line.split(", ")[-1].split(" tokens/s")[0])
@@ -538,7 +540,7 @@ def test_every_failed_write_into_the_run_folder_says_so(tmp_path, text_file, cap
     assert checkpoint.load_checkpoint(run)["step"] == 2
 
 
-@pytest.mark.parametrize("where,value", [(6, 0x80), (10, 8), (10, 99), (8, 1)])
+@pytest.mark.parametrize(("where", "value"), [(6, 0x80), (10, 8), (10, 99), (8, 1)])
 def test_damage_to_the_archive_directory_is_refused_like_any_other(tmp_path, text_file, capsys, where, value):
     run = tmp_path / "run"
     train(str(run), settings(text_file, steps=2), CONFIG, progress=False)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+# The imports below follow the importorskip (hence E402), which skips this file without transformers.
 from transformers import (  # noqa: E402
     AttentionInterface,
     GPTBigCodeConfig,
@@ -54,7 +55,7 @@ def _sink_reference_forward(module, query, key, value, attention_mask, dropout=0
     key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
     segs, rates = BRANCHES["segment_lengths"], BRANCHES["dilation_rates"]
     seen = sum(branch_pattern(length, w, r, offsets, is_causal=True).double()
-               for w, r, offsets in zip(segs, rates, branch_offsets(heads, segs, rates, "mixture")))
+               for w, r, offsets in zip(segs, rates, branch_offsets(heads, segs, rates, "mixture"), strict=True))
     logits = query @ key.transpose(2, 3) * scaling + seen.log()
     logits = torch.cat([logits, s_aux.view(1, heads, 1, 1).expand(batch, heads, length, 1)], dim=-1)
     return (logits.softmax(-1)[..., :-1] @ value).transpose(1, 2), None
@@ -112,7 +113,7 @@ def test_dilated_layers_and_gradients_match_the_reference(family):
         results[name] = (logits.detach(), [p.grad.clone() for p in model.parameters()])
     (a, grads_a), (b, grads_b) = results["dilated"], results["dilated_reference"]
     assert float((a - b).abs().max() / b.abs().max()) <= 1e-10
-    for ga, gb in zip(grads_a, grads_b):
+    for ga, gb in zip(grads_a, grads_b, strict=True):
         assert torch.allclose(ga, gb, rtol=1e-9, atol=1e-11)
 
 
@@ -217,7 +218,7 @@ def test_a_cache_the_model_does_not_take_is_refused_not_ignored():
     try:
         pieces = [model(part, cache=cache, use_cache=True).logits for part in tokens.split([13, 8], dim=1)]
     except ValueError as error:  # transformers < 5.24: the model passes cache= on unused
-        assert "did not use the DilatedCache passed as cache=" in str(error)
+        assert "did not use the DilatedCache passed as cache=" in str(error)  # noqa: PT017 - either outcome is checked
     else:  # transformers >= 5.24 takes cache=
         assert float((torch.cat(pieces, 1) - expected).abs().max() / expected.abs().max()) <= 1e-12
 
@@ -248,7 +249,7 @@ def test_a_model_that_passes_no_position_ids_uses_the_cache_window():
     default = model.generate(tokens, **options)
     bounded = model.generate(tokens, **options, past_key_values=DilatedCache(model))
     assert torch.equal(default.sequences, bounded.sequences)
-    assert max(float((a - b).abs().max()) for a, b in zip(default.logits, bounded.logits)) <= 1e-5
+    assert max(float((a - b).abs().max()) for a, b in zip(default.logits, bounded.logits, strict=True)) <= 1e-5
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :7] = 0
     with pytest.raises(ValueError, match="passes no position_ids"):
@@ -335,23 +336,26 @@ def test_attention_sinks_enter_each_softmax_as_gpt_oss_eager_does():
 
     gen = torch.Generator().manual_seed(3)
     sinks = (2 * torch.randn(6, generator=gen, dtype=torch.float64)).requires_grad_()
+    module = Module()
+    module.sinks = sinks
+    attentions = (
+        lambda q, k, v, causal: gpt_oss_eager(module, q, k, v, causal, scaling=0.4),
+        lambda q, k, v, causal: dilated_attention_forward(module, q, k, v, None, scaling=0.4, s_aux=sinks,
+                                                          segment_lengths=[64], dilation_rates=[1], mode="mixture",
+                                                          head_offsets="interleaved"),
+    )
     for num_queries in (13, 4):
         q = torch.randn(2, 6, num_queries, 8, generator=gen, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(2, 2, 13, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
         causal = torch.full((1, 1, num_queries, 13), float("-inf"), dtype=torch.float64).triu(14 - num_queries)
-        module = Module()
-        module.sinks = sinks
         results = []
-        for run in (lambda: gpt_oss_eager(module, q, k, v, causal, scaling=0.4),
-                    lambda: dilated_attention_forward(module, q, k, v, None, scaling=0.4, s_aux=sinks,
-                                                      segment_lengths=[64], dilation_rates=[1], mode="mixture",
-                                                      head_offsets="interleaved")):
-            out, _ = run()
+        for attend in attentions:
+            out, _ = attend(q, k, v, causal)
             grads = torch.autograd.grad((out * out.detach().cos()).sum(), (q, k, v, sinks))
             results.append((out.detach(), grads))
         (a, grads_a), (b, grads_b) = results
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-13)
-        for ga, gb in zip(grads_a, grads_b):
+        for ga, gb in zip(grads_a, grads_b, strict=True):
             assert torch.allclose(ga, gb, rtol=1e-12, atol=1e-13)
 
 
@@ -402,7 +406,7 @@ def test_layers_that_are_not_full_attention_are_refused():
     assert float((a - b).abs().max() / a.abs().max()) <= 1e-6
 
 
-@pytest.mark.parametrize("option, value", [
+@pytest.mark.parametrize(("option", "value"), [
     ("softcap", 30.0), ("sliding_window", 4), ("head_mask", torch.ones(4)), ("position_bias", torch.zeros(1, 4, 6, 6)),
     ("sinks", torch.zeros(1, 4, 6, 1)), ("indices", torch.zeros(1, 6, 2, dtype=torch.long)),
     ("cu_seq_lens_q", torch.tensor([0, 3, 6])), ("s_aux", torch.zeros(1, 4, 6, 1)),

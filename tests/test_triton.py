@@ -10,13 +10,13 @@ import os
 
 import pytest
 import torch
-from helpers import configs, poison, random_inputs, split_config, windows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
 from dilated_attention.ops import fused
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
+from helpers import configs, poison, random_inputs, split_config, windows
 
 pytest.importorskip("triton")
 # conftest.py sets TRITON_INTERPRET=1 before anything imports Triton.
@@ -49,7 +49,7 @@ def assert_matches_reference(q, k, v, grad, grad_lse, mask, dtype, attn, key_off
         assert lse_error(lse, expected_lse) <= tol
     grads = torch.autograd.grad((out, lse), (q, k, v), (grad.to(dtype), grad_lse.float()))
     ref_grads = torch.autograd.grad((ref_out, ref_lse), ref_in, (grad.double(), grad_lse.double()))
-    assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+    assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v), strict=True))
     assert max_relative_error(grads, ref_grads) <= tol
 
 
@@ -233,5 +233,5 @@ def test_compiled_calls_take_the_engine_path():
     compiled = torch.compile(auto, backend="eager", fullgraph=True)
     assert torch.allclose(compiled(q), auto(q), atol=1e-6)
     forced = torch.compile(lambda q: dilated_attention(q, q, q, [4], [1], kernel="triton"), backend="eager")
-    with pytest.raises(Exception, match="under torch.compile and CUDA graph capture"):
+    with pytest.raises(Exception, match=r"under torch\.compile and CUDA graph capture"):
         forced(q)

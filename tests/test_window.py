@@ -3,12 +3,12 @@ output row equals that row of one causal call on the whole sequence."""
 
 import pytest
 import torch
-from helpers import random_inputs, split_config, windows
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import dilated_attention, reference_dilated_attention
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
+from helpers import random_inputs, split_config, windows
 
 
 def window_of(tensors, mask, total, queries, start):

@@ -80,7 +80,7 @@ class LongNetConfig:
         """MAGNETO's initialisation gain for a decoder of ``depth`` layers: ``sqrt(log(2 * depth))``."""
         return math.sqrt(math.log(2 * self.depth))
 
-    def replace(self, **changes) -> "LongNetConfig":
+    def replace(self, **changes) -> LongNetConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,7 +92,7 @@ class LongNetConfig:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LongNetConfig":
+    def from_dict(cls, d: dict) -> LongNetConfig:
         if not isinstance(d, dict):
             raise TypeError(f"a LongNetConfig comes from a dict, got {validation.type_name(d)}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -102,7 +102,7 @@ class LongNetConfig:
         return cls(**d)
 
     @classmethod
-    def from_json(cls, text: str) -> "LongNetConfig":
+    def from_json(cls, text: str) -> LongNetConfig:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -110,7 +110,7 @@ class LongNetConfig:
         return cls.from_dict(d)
 
     @classmethod
-    def preset(cls, name: str, **changes) -> "LongNetConfig":
+    def preset(cls, name: str, **changes) -> LongNetConfig:
         """One of :data:`PRESETS` (``tiny``, ``small``, ``paper_base``), with ``changes``."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; the presets are {sorted(PRESETS)}")

@@ -16,17 +16,16 @@ a tied LM head starts with logits of unit scale).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..ops import validation
 from ..nn.cache import DilatedKVCache, check_batch
 from ..nn.modules import MultiheadDilatedAttention, sequence_positions
 from ..nn.rotary import RotaryEmbedding
+from ..ops import validation
 from .config import LongNetConfig
 
 
@@ -62,7 +61,7 @@ class LongNetBlock(nn.Module):
         self.ffn = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, positions, cache: Optional[DilatedKVCache] = None, process_group=None) -> torch.Tensor:
+    def forward(self, x, positions, cache: DilatedKVCache | None = None, process_group=None) -> torch.Tensor:
         y, _ = self.attention(
             self.attention_norm(x), is_causal=True, positions=positions, cache=cache, process_group=process_group
         )
@@ -155,9 +154,9 @@ class LongNetLM(nn.Module):
         self,
         tokens: torch.Tensor,
         *,
-        cache: Optional[LongNetCache] = None,
+        cache: LongNetCache | None = None,
         process_group=None,
-        positions: Optional[torch.Tensor] = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``tokens`` ``(B, N)`` ints in ``[0, vocab_size)`` -> logits ``(B, N, vocab_size)``
         (float32, or the parameters' dtype).

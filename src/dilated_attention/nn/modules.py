@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from ..functional import dilated_attention
 from ..ops import validation
 from .cache import DilatedKVCache, check_batch
-from .static_cache import StaticKVCache
-from ..functional import dilated_attention
 from .ordering import ORDERS, apply, grid_order, invert
+from .static_cache import StaticKVCache
 
 
 def _refuse_mismatch(module: nn.Module, saved: dict, mine: dict) -> None:
@@ -56,7 +56,7 @@ class DilatedAttention(nn.Module):
         *,
         mode: str = "mixture",
         head_offsets: str = "interleaved",
-        softmax_scale: Optional[float] = None,
+        softmax_scale: float | None = None,
         dropout: float = 0.0,
         layout: str = "bnhd",
     ):
@@ -76,7 +76,7 @@ class DilatedAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         is_causal: bool = False,
-        key_padding_mask: Optional[torch.Tensor] = None,
+        key_padding_mask: torch.Tensor | None = None,
         process_group=None,
         key_offset=0,
     ) -> torch.Tensor:
@@ -259,15 +259,15 @@ class MultiheadDilatedAttention(nn.Module):
     def forward(
         self,
         query: torch.Tensor,
-        key: Optional[torch.Tensor] = None,
-        value: Optional[torch.Tensor] = None,
-        key_padding_mask: Optional[torch.Tensor] = None,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         is_causal: bool = False,
         process_group=None,
         *,
-        positions: Optional[torch.Tensor] = None,
-        cache: Optional[DilatedKVCache] = None,
+        positions: torch.Tensor | None = None,
+        cache: DilatedKVCache | None = None,
     ) -> tuple[torch.Tensor, None]:
         """``query`` (and ``key``, ``value``, which default to it) ``(B, N, embed_dim)``
         (``(N, B, embed_dim)`` with ``batch_first=False``) -> ``(output, None)`` in the
@@ -370,7 +370,7 @@ class GridAttention(nn.Module):
         self.attention, self.order = attention, order
         self.extra_tokens = validation.check_non_negative_int(extra_tokens, "extra_tokens")
 
-    def forward(self, x: torch.Tensor, grid: Sequence[int], key_padding_mask: Optional[torch.Tensor] = None,
+    def forward(self, x: torch.Tensor, grid: Sequence[int], key_padding_mask: torch.Tensor | None = None,
                 process_group=None, **kwargs):
         """``(output, ...)`` as ``attention`` returns it, the output in ``x``'s order."""
         if process_group is not None:

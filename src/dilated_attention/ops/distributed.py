@@ -16,7 +16,6 @@ A :class:`Communicator` is the process group as the caller holds it: pass one as
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -73,7 +72,7 @@ def _settings(call, dropout_p: float) -> dict:
     }
 
 
-def agree(group, call, dropout_p: float, error: Optional[Exception]) -> tuple[list[int], Optional[int]]:
+def agree(group, call, dropout_p: float, error: Exception | None) -> tuple[list[int], int | None]:
     """All-gather every rank's configuration, or the error its input raised; return
     the shard lengths and rank 0's dropout seed (``None`` without dropout).
 
@@ -117,7 +116,7 @@ class Exchange:
     dim: int
     dtype: torch.dtype
     device: torch.device
-    seed: Optional[torch.Tensor] = None
+    seed: torch.Tensor | None = None
     traffic: Traffic = field(default_factory=Traffic)
     received: tuple = ((), ())
     _pending: list = field(default_factory=list)
@@ -130,7 +129,7 @@ class Exchange:
             peer: _head_unions([rows for rows, _ in pairs], self.device) for peer, pairs in self.plan.receives
         }
 
-    def start_forward(self, k: torch.Tensor, v: torch.Tensor, padding: Optional[torch.Tensor]) -> None:
+    def start_forward(self, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None) -> None:
         """Post the transfer of key/value rows. A message carries, per head, the union
         of the rows all branches need from that peer (each row once), then, with a
         mask, one mask value per distinct row."""
@@ -195,7 +194,7 @@ class Exchange:
             ]
             for rows, _ in pairs:
                 wanted = rows.positions(self.device).flatten()
-                for grad, total in zip(key_grads[index], sums):
+                for grad, total in zip(key_grads[index], sums, strict=True):
                     for slot, h in enumerate(rows.head_indices):
                         total[h].index_add_(1, torch.searchsorted(unions[h], wanted), grad[:, :, slot].to(acc))
                 index += 1
@@ -242,7 +241,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def make_exchange(process_group, call, dropout_p: float, error: Optional[Exception]) -> Exchange:
+def make_exchange(process_group, call, dropout_p: float, error: Exception | None) -> Exchange:
     """Check that the ranks' inputs are valid and agree (see :func:`agree`), and plan
     this rank's part. ``process_group``: a group or a :class:`Communicator`; ``call``:
     this rank's validated call, or ``None`` with the ``error`` its validation raised."""

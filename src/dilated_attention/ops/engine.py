@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 
@@ -65,9 +64,9 @@ class EngineConfig:
     kernel: type
     query_position: int = 0
     key_position: int = 0
-    batch_rows: Optional[tuple[int, ...]] = None
+    batch_rows: tuple[int, ...] | None = None
     keys_checked: bool = False
-    fused: Optional[FusedPlan] = None
+    fused: FusedPlan | None = None
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:
@@ -95,7 +94,7 @@ def _known_empty(flags: torch.Tensor) -> bool:
     return _checks_are_free(flags) and not bool(flags.any())
 
 
-def nonfinite_rows(*tensors: torch.Tensor) -> Optional[torch.Tensor]:
+def nonfinite_rows(*tensors: torch.Tensor) -> torch.Tensor | None:
     """Rows ``(B, N, H)`` where any of ``tensors`` holds a NaN or an infinity; ``None``
     where there are known to be none. The fused kernels let such values leak into
     rows that do not attend to them (a causal future key's value times probability
@@ -118,10 +117,10 @@ class KeySource:
 
     k: torch.Tensor
     v: torch.Tensor
-    padding: Optional[torch.Tensor]
+    padding: torch.Tensor | None
     first_position: int
     step: int = 1
-    bad: Optional[torch.Tensor] = None
+    bad: torch.Tensor | None = None
 
     def positions(self, rows: Rows) -> torch.Tensor:
         """Sequence positions of ``rows`` of this source, ``(nseg, count)``."""
@@ -153,7 +152,7 @@ def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[-1] == 1 or x.stride(-1) == 1 else x.contiguous()
 
 
-def _key_mask(pad: Optional[torch.Tensor], dtype, is_causal: bool):
+def _key_mask(pad: torch.Tensor | None, dtype, is_causal: bool):
     """From padded keys ``(B', L)`` (bool): the additive bias ``(B', 1, 1, L)`` and the
     query rows left with no key ``(B', 1, L or 1)``; ``(None, None)`` without a mask.
     Causal blocks are square (queries are the keys' rows)."""
@@ -173,7 +172,7 @@ def _clean(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad):
     return q.masked_fill(q_rows, 0.0), k.masked_fill(kv_rows, 0.0), v.masked_fill(kv_rows, 0.0)
 
 
-def _reached_rows(bad, pad: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
+def _reached_rows(bad, pad: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
     """Query rows ``(B', h, Lq)`` that a non-finite value reaches: one in the query
     itself, or in an unpadded key it attends to (key flags ``(B', h_k, Lk)``)."""
     bad_q, bad_k = bad
@@ -200,10 +199,10 @@ class KeyRows:
     ``h / h_k`` consecutive query heads of the block (the kernels broadcast it)."""
 
     rows: Rows
-    index: Optional[torch.Tensor] = None
+    index: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, rows: Rows, num_heads: int, groups: int) -> "KeyRows":
+    def of(cls, rows: Rows, num_heads: int, groups: int) -> KeyRows:
         """The key rows for the query heads of ``rows`` (indices among ``num_heads``),
         each ``groups`` consecutive query heads sharing one key/value head."""
         if groups == 1:
@@ -236,10 +235,10 @@ class _Call:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    pad: Optional[torch.Tensor]
-    bad: Optional[tuple[torch.Tensor, torch.Tensor]]
+    pad: torch.Tensor | None
+    bad: tuple[torch.Tensor, torch.Tensor] | None
     is_causal: bool
-    dropout: Optional[DropoutMask]
+    dropout: DropoutMask | None
     keys: KeyRows
 
 
@@ -281,13 +280,13 @@ def _attend(cfg: EngineConfig, call: _Call):
     and a row with no key is ``0``, ``-inf``."""
     q, k, v = _clean(call.q, call.k, call.v, call.bad)
     bias, empty = _key_mask(call.pad, q.dtype, call.is_causal)
-    o, l = cfg.kernel.forward(q, k, v, bias, call.is_causal, cfg.scale, call.dropout)
+    o, lse = cfg.kernel.forward(q, k, v, bias, call.is_causal, cfg.scale, call.dropout)
     if call.bad is not None:
         reached = _reached_rows(call.bad, call.pad, call.is_causal)
-        o, l = o.masked_fill(reached.unsqueeze(-1), math.nan), l.masked_fill(reached, math.nan)
+        o, lse = o.masked_fill(reached.unsqueeze(-1), math.nan), lse.masked_fill(reached, math.nan)
     if empty is not None:
-        o, l = o.masked_fill(empty.unsqueeze(-1), 0.0), l.masked_fill(empty, -math.inf)
-    return o, l
+        o, lse = o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, -math.inf)
+    return o, lse
 
 
 def _attend_backward(cfg: EngineConfig, call: _Call, grad, out, lse, lse_grad):
@@ -330,15 +329,15 @@ def _write(dst: torch.Tensor, src: torch.Tensor, fresh: bool, scale: float = 1.0
             dst.mul_(scale)
 
 
-def merge_into(out, lse, o, l, scale: float = 1.0) -> None:
-    """In place: ``lse <- logaddexp(lse, l)``,
-    ``out <- out * e^(lse_old - lse) + scale * o * e^(l - lse)``.
+def merge_into(out, lse, o, o_lse, scale: float = 1.0) -> None:
+    """In place: ``lse <- logaddexp(lse, o_lse)``,
+    ``out <- out * e^(lse_old - lse) + scale * o * e^(o_lse - lse)``.
 
     ``out`` ``(..., D)`` and ``lse`` ``(...)`` are views into the running buffers; ``out``
     already carries the factor ``scale``."""
-    new = torch.logaddexp(lse, l)
+    new = torch.logaddexp(lse, o_lse)
     base = new.nan_to_num(nan=math.nan, neginf=0.0)  # -inf (no key yet) -> 0; NaN stays
-    out.mul_((lse - base).exp_().unsqueeze(-1)).addcmul_(o, (l - base).exp_().unsqueeze(-1), value=scale)
+    out.mul_((lse - base).exp_().unsqueeze(-1)).addcmul_(o, (o_lse - base).exp_().unsqueeze(-1), value=scale)
     lse.copy_(new)
 
 
@@ -389,14 +388,14 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
 
     def run(blocks):
         for block in _calls(blocks, cfg.max_call_elements, batch, dim):
-            o, l = _attend(cfg, _call(cfg, block, q, bad_q, sources[block.source], seed, groups))
-            o, l = _from_kernel(o, batch), _from_kernel(l, batch)
+            o, o_lse = _attend(cfg, _call(cfg, block, q, bad_q, sources[block.source], seed, groups))
+            o, o_lse = _from_kernel(o, batch), _from_kernel(o_lse, batch)
             out_view, lse_view = block.queries.select(out), block.queries.select(lse)
             if block.fresh:
                 _write(out_view, o, True, cfg.out_scale)
-                lse_view.copy_(l)
+                lse_view.copy_(o_lse)
             else:
-                merge_into(out_view, lse_view, o, l, cfg.out_scale)
+                merge_into(out_view, lse_view, o, o_lse, cfg.out_scale)
 
     run(cfg.blocks)
     if exchange is not None:
@@ -520,5 +519,5 @@ class DilatedAttentionFunction(torch.autograd.Function):
             None if grad_out is None else contiguous_last_dim(grad_out), grad_lse,
             q, k, v, padding, seed, key_flags, out, lse, ctx.cfg, ctx.exchange,
         )
-        dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+        dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
         return dq, dk, dv, None, None, None, None, None

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Optional
 
 import torch
 
@@ -37,7 +36,7 @@ AUTO_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def requested(kernel: Optional[str]) -> str:
+def requested(kernel: str | None) -> str:
     """``kernel``, else ``$DILATED_ATTENTION_KERNEL``, else ``"auto"``, checked."""
     source = "kernel"
     if kernel is None:
@@ -48,7 +47,7 @@ def requested(kernel: Optional[str]) -> str:
     return kernel
 
 
-def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> Optional[str]:
+def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> str | None:
     """Why the Triton kernels cannot run a call on ``q`` ``(B, L, H, D)``, or ``None``."""
     if dropout > 0:
         return "dropout is not fused (its masks are the library's position-keyed ones): use dropout_p=0"
@@ -77,7 +76,7 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: Optional[str]) -> bool:
+def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: str | None) -> bool:
     """Whether a call on ``q`` runs the Triton kernels (see the module docstring); a
     ``ValueError`` for ``kernel="triton"`` where they cannot."""
     choice = requested(kernel)
@@ -92,7 +91,7 @@ def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: Optio
             and q.shape[-1] >= AUTO_MIN_HEAD_DIM)
 
 
-def describe(q: torch.Tensor, dropout: float = 0.0, distributed: bool = False, kernel: Optional[str] = None) -> str:
+def describe(q: torch.Tensor, dropout: float = 0.0, distributed: bool = False, kernel: str | None = None) -> str:
     """Which kernels a call on ``q`` runs, in words (what ``dilated-attention check``
     reports)."""
     if use_triton(q, dropout, distributed, kernel):

@@ -42,7 +42,6 @@ Four kernels share this interface:
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -114,7 +113,7 @@ class MathKernel:
         return s, keys
 
     @staticmethod
-    def forward(q, k, v, bias, is_causal, scale, dropout: Optional[DropoutMask] = None):
+    def forward(q, k, v, bias, is_causal, scale, dropout: DropoutMask | None = None):
         acc = accumulator(q.dtype)
         out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=acc)
         lse = q.new_empty(q.shape[:-1], dtype=acc)
@@ -129,7 +128,7 @@ class MathKernel:
         return out.to(q.dtype), lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout: Optional[DropoutMask] = None):
+    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout: DropoutMask | None = None):
         acc = accumulator(q.dtype)
         dq = torch.empty(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)

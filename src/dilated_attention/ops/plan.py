@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ class Rows:
     heads: slice
 
     @classmethod
-    def strided(cls, start: int, count: int, rate: int, heads: slice) -> "Rows":
+    def strided(cls, start: int, count: int, rate: int, heads: slice) -> Rows:
         """``count`` rows ``start, start + rate, ...`` (one segment)."""
         return cls(start, 1, (count - 1) * rate + 1, rate, 0, heads)
 
@@ -59,7 +59,7 @@ class Rows:
     def head_count(self) -> int:
         return len(range(*self.heads.indices(2**62)))
 
-    def segments(self, first: int, count: int) -> "Rows":
+    def segments(self, first: int, count: int) -> Rows:
         """Segments ``first .. first + count - 1`` of these rows."""
         return replace(self, start=self.start + first * self.seglen, nseg=count)
 
@@ -116,7 +116,7 @@ class Block:
     fresh: bool
     source: int = 0
 
-    def chunks(self, max_segments: int) -> list["Block"]:
+    def chunks(self, max_segments: int) -> list[Block]:
         """The block cut into consecutive blocks of at most ``max_segments`` segments."""
         nseg = self.queries.nseg
         if nseg <= max_segments:
@@ -197,7 +197,7 @@ def _part(first: int, stop: int, segment_start: int, offset: int, rate: int, ori
 
 
 @functools.lru_cache(maxsize=4096)
-def key_heads(heads: tuple[int, int, int], groups: int) -> tuple[tuple[int, int, int], int, Optional[tuple[int, ...]]]:
+def key_heads(heads: tuple[int, int, int], groups: int) -> tuple[tuple[int, int, int], int, tuple[int, ...] | None]:
     """Grouped-query attention: the key/value heads of the query heads ``range(*heads)``
     when each ``groups`` consecutive query heads share one key/value head.
 
@@ -208,7 +208,7 @@ def key_heads(heads: tuple[int, int, int], groups: int) -> tuple[tuple[int, int,
     kv = [head // groups for head in range(*heads)]
     share = next((i for i, h in enumerate(kv) if h != kv[0]), len(kv))  # the first run's length
     firsts = kv[::share]
-    steps = {b - a for a, b in zip(firsts, firsts[1:])} or {1}
+    steps = {b - a for a, b in itertools.pairwise(firsts)} or {1}
     if len(kv) % share == 0 and all(h == firsts[i // share] for i, h in enumerate(kv)) and len(steps) == 1:
         step = steps.pop()
         if step > 0:
@@ -230,7 +230,7 @@ def make_plan(
     mode: str,
     is_causal: bool,
     head_offsets: str = "interleaved",
-    num_keys: Optional[int] = None,
+    num_keys: int | None = None,
     key_offset: int = 0,
 ) -> tuple[Block, ...]:
     """All blocks of one dilated attention on one process, branch by branch (see
@@ -463,7 +463,7 @@ def branch_table(
 ) -> BranchTable:
     """The :class:`BranchTable` of these branches for ``num_heads`` heads (cached)."""
     segment_lengths = tuple(min(w, FUSED_MAX_SEGMENT) for w in segment_lengths)
-    rates = tuple(min(r, w) for w, r in zip(segment_lengths, dilation_rates))
+    rates = tuple(min(r, w) for w, r in zip(segment_lengths, dilation_rates, strict=True))
     offsets = [[-1] * len(segment_lengths) for _ in range(num_heads)]
     for i, head_sets in enumerate(branch_head_sets(num_heads, dilation_rates, mode, head_offsets)):
         for offset, heads in head_sets:
@@ -497,6 +497,6 @@ def fused_row_step(segment_lengths: tuple[int, ...], rates: tuple[int, ...], til
 
     def work(step: int) -> float:
         return sum(w / r**2 * (r / math.gcd(step, r)) * max(1.0, step * tile_rows / w)
-                   for w, r in zip(segment_lengths, rates))
+                   for w, r in zip(segment_lengths, rates, strict=True))
 
     return min(candidates, key=lambda step: (work(step), step))

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 import torch
 import triton
@@ -234,9 +233,9 @@ def _forward_kernel(
     k_base = K + b * sk_b + kv_h * sk_h
     v_base = V + b * sv_b + kv_h * sv_h
     pad_base = PAD + b * sp_b
-    for g in range(0, branches):
+    for g in range(branches):
         seg_len, rate, offset, seg_first, seg_count = _branch(SEG, RATE, OFFSET, g, h, key_start, lo, hi, branches)
-        for si in range(0, seg_count):
+        for si in range(seg_count):
             start, stop, step, selected, chosen = _selection(rows, row_ok, seg_first + si, seg_len, rate, offset,
                                                              key_start, num_keys)
             if chosen > 0:
@@ -355,16 +354,16 @@ def _key_grads_kernel(
     dv = tl.zeros([BLOCK_N, DIM_BLOCK], dtype=tl.float32)
     lo = tl.min(tl.where(key_ok, rows, num_keys))
     hi = tl.max(tl.where(key_ok, rows, -1))
-    for member in range(0, group_size):
+    for member in range(group_size):
         h = kv_h * group_size + member
         q_base = Q + b * sq_b + h * sq_h
         do_base = DO + b * so_b + h * so_h
         lse_base = LSE + b * sl_b + h * sl_h
         delta_base = DELTA + b * sl_b + h * sl_h
-        for g in range(0, branches):
+        for g in range(branches):
             seg_len, rate, offset, seg_first, seg_count = _branch(SEG, RATE, OFFSET, g, h, key_start, lo, hi,
                                                                   branches)
-            for si in range(0, seg_count):
+            for si in range(seg_count):
                 start, stop, step, selected, chosen = _selection(rows, row_ok, seg_first + si, seg_len, rate, offset,
                                                                  key_start, num_keys)
                 if chosen > 0:
@@ -393,7 +392,7 @@ def _key_grads_kernel(
                     # The masked tiles: those before the free ones (the diagonal), then the last one.
                     before = (free_first - j_first + BLOCK_M - 1) // BLOCK_M
                     after = (j_stop - free_stop + BLOCK_M - 1) // BLOCK_M
-                    for t in range(0, before + after):
+                    for t in range(before + after):
                         j0 = tl.where(t < before, j_first + t * BLOCK_M, free_stop + (t - before) * BLOCK_M)
                         j = j0 + tl.arange(0, BLOCK_M)
                         query_rows = start + offset + step * tl.minimum(j, j_stop - 1) - first_query
@@ -504,7 +503,7 @@ class Launch:
     row's first key position, the flags, and how to size the grid."""
 
     def __init__(self, q, k, table: BranchTable, key_starts: tuple[int, ...], is_causal: bool,
-                 padding: Optional[torch.Tensor], check_finite: bool):
+                 padding: torch.Tensor | None, check_finite: bool):
         batch, num_queries, num_heads, dim = q.shape
         self.batch, self.num_queries, self.num_keys, self.num_heads = batch, num_queries, k.shape[1], num_heads
         self.num_kv_heads, self.group_size = k.shape[2], num_heads // k.shape[2]

@@ -6,8 +6,8 @@ import math
 import numbers
 import operator
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -196,7 +196,7 @@ def check_key_heads(num_heads: int, kv_heads: int) -> None:
         )
 
 
-def check_int(value, name: str, least: int, below: Optional[int] = None) -> int:
+def check_int(value, name: str, least: int, below: int | None = None) -> int:
     """An int ``>= least`` (and ``< below``, if given), not a bool: else a ``TypeError``
     (not an int) or a ``ValueError`` (out of range)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -296,7 +296,7 @@ def check_window(key_offset: int, num_queries: int, num_keys: int, segment_lengt
         )
 
 
-def check_padding_mask(mask, batch: int, seq_len: int, device) -> Optional[torch.Tensor]:
+def check_padding_mask(mask, batch: int, seq_len: int, device) -> torch.Tensor | None:
     """``key_padding_mask``: ``None`` or a bool ``(B, N)`` tensor, ``True`` = padding."""
     if mask is None:
         return None
@@ -334,7 +334,7 @@ class Attention:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    padding: Optional[torch.Tensor]
+    padding: torch.Tensor | None
     segment_lengths: tuple[int, ...]
     dilation_rates: tuple[int, ...]
     mode: str

@@ -6,7 +6,6 @@ import argparse
 import difflib
 import math
 import sys
-from typing import Optional
 
 import torch
 
@@ -99,7 +98,7 @@ def seed(text: str) -> int:
     return value
 
 
-def device_type(name: Optional[str]) -> str:
+def device_type(name: str | None) -> str:
     """The ``--device`` to run on: ``name``, or ``"cuda"`` if available else ``"cpu"``;
     a ``ValueError`` for ``"cuda"`` without a GPU."""
     if name is None:

@@ -7,18 +7,18 @@ import argparse
 import os
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .. import __version__
-from . import benchmark
 from ..ops import fused, validation
-from .arguments import Parser, device_type, number, positive_float, positive_int, positive_ints, seed
-from ..utils.extras import MissingExtra, require
-from ..utils.files import fresh_folder, write_results
 from ..ops.plan import MODES
 from ..training.commands import add_evaluate, add_generate, add_train
+from ..utils.extras import MissingExtra, require
+from ..utils.files import fresh_folder, write_results
+from . import benchmark
+from .arguments import Parser, device_type, number, positive_float, positive_int, positive_ints, seed
 
 DTYPES = validation.FLOAT_DTYPES
 
@@ -160,7 +160,7 @@ def _save_results(args, kind: str, payload: dict, table: str, plot) -> int:
     return 0
 
 
-def _bench_folder(out_dir: Optional[str]) -> str:
+def _bench_folder(out_dir: str | None) -> str:
     """``out_dir`` (created if missing), or by default a new folder in the current
     directory named after the time: a run never writes over an earlier one's results."""
     if out_dir is None:
@@ -329,7 +329,7 @@ def _add_decode_bench(sub) -> None:
     bench.set_defaults(run=_cmd_decode_bench)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ..utils.plotting import pyplot, save
 from ..reference import attention_weights_uniform, branch_offsets
+from ..utils.plotting import pyplot, save
 
 
 def summarize_heads(weights: torch.Tensor, offsets: list[torch.Tensor]) -> list[str]:
@@ -80,7 +80,7 @@ def draw_pattern(
 
 
 def attended_cells(order: torch.Tensor, query: int, segment_length: int, dilation_rate: int,
-                   offsets: torch.Tensor, head: Optional[int] = None) -> tuple[torch.Tensor, Optional[int]]:
+                   offsets: torch.Tensor, head: int | None = None) -> tuple[torch.Tensor, int | None]:
     """The row-major indices of the patches that the patch ``query`` (a row-major
     index) attends to in a branch ``(w, r)`` whose heads use ``offsets`` (``-1``: not
     in the branch), with the patches laid out in ``order``, and the head: ``head``, or
@@ -123,7 +123,7 @@ def draw_grid_pattern(
     query: tuple[int, int],
     *,
     num_heads: int = 1,
-    head: Optional[int] = None,
+    head: int | None = None,
     mode: str = "mixture",
     head_offsets: str = "interleaved",
 ) -> str:
@@ -144,7 +144,7 @@ def draw_grid_pattern(
     for row, kind in enumerate(orders):
         order = grid_order(kind, height, width)
         count = torch.zeros(height * width)
-        for branch, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+        for branch, (w, r) in enumerate(zip(segment_lengths, dilation_rates, strict=True)):
             image = torch.zeros(height * width)
             cells, shown = attended_cells(order, index, w, r, offsets[branch], head)
             image[cells] = 1.0

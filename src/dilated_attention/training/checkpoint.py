@@ -15,7 +15,6 @@ import errno
 import os
 import shlex
 import zipfile
-from typing import Optional
 
 import torch
 
@@ -59,13 +58,13 @@ def _out_of_space(exc: BaseException) -> bool:
     return False
 
 
-def damage(path: str) -> Optional[str]:
+def damage(path: str) -> str | None:
     """Why the file ``path`` is not a whole ``torch.save`` archive, or ``None``: every
     record is read and checked against its CRC-32."""
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
-    except Exception as exc:  # whatever a damaged archive makes zipfile raise
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged archive makes zipfile raise
         return f"not a readable archive: {type(exc).__name__}: {str(exc)[:200]}"
     return None if bad is None else f"the bytes of its record {bad} do not match their checksum"
 
@@ -85,7 +84,7 @@ def load_checkpoint(run_dir: str, name: str = CHECKPOINT) -> dict:
         raise ValueError(f"{path} is damaged ({problem}), so it is not used. {_recovery(run_dir, name)}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # whatever a damaged file makes torch.load raise
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged file makes torch.load raise
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         raise ValueError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {reason}); it is damaged or "
                          "was not written by dilated-attention train") from None

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from ..tools.arguments import device_type, number, seed
 from ..models import PRESETS, LongNetConfig
+from ..tools.arguments import device_type, number, seed
 from . import checkpoint, run_folder, tasks
 from .run_folder import read_log, read_run_config
 from .settings import AUTOCAST_DTYPES, TrainSettings

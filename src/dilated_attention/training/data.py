@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sysconfig
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -44,7 +43,7 @@ def _files_under(folder: str, suffix: str = "", skipped=frozenset()) -> list[str
     return found
 
 
-def _read_utf8(path: str, strict: bool) -> Optional[bytes]:
+def _read_utf8(path: str, strict: bool) -> bytes | None:
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -64,7 +63,7 @@ def _read_utf8(path: str, strict: bool) -> Optional[bytes]:
     return data
 
 
-def load_corpus(path: Optional[str] = None) -> Corpus:
+def load_corpus(path: str | None = None) -> Corpus:
     """The text of ``path`` (a UTF-8 file, or a folder: all its files, recursively, in
     sorted order), or by default the standard library's ``.py`` sources (files that
     are not UTF-8 left out), split into training and validation bytes."""
@@ -115,7 +114,7 @@ class Batches:
     The batches depend only on ``seed`` and on how many came before, which
     ``state_dict`` keeps."""
 
-    def __init__(self, data: torch.Tensor, context: int, batch_size: int, seed: int, task: Optional[str] = None,
+    def __init__(self, data: torch.Tensor, context: int, batch_size: int, seed: int, task: str | None = None,
                  task_fraction: float = 0.0):
         self.data, self.context, self.batch_size = data, context, batch_size
         self.task, self.task_fraction = task, task_fraction

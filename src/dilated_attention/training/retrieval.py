@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -49,7 +49,7 @@ def distances(task: str, max_distance: int) -> list[int]:
 
 
 def score(model: Model, task: str, context: int, at: Sequence[int], examples: int = 32, *, seed: int = 0,
-          batch_size: int = 8, filler: Optional[torch.Tensor] = None, device=None) -> RetrievalResult:
+          batch_size: int = 8, filler: torch.Tensor | None = None, device=None) -> RetrievalResult:
     """Score ``model`` on ``examples`` examples of ``task`` at each distance of ``at``.
 
     Examples are ``context`` bytes long, or as long as a distance needs beyond that.
@@ -85,8 +85,9 @@ def format_table(result: RetrievalResult) -> str:
     lines = [f"{result.task}: accuracy (answered exactly; chance {result.chance:g}) and answer loss by distance"
              + (f" ({about})" if about else ""),
              f"{'distance':>9} {'bytes':>7} {'examples':>8} {'accuracy':>9} {'answer bits/byte':>17}"]
-    for s in result.scores:
-        lines.append(f"{s.distance:>9} {s.length:>7} {s.examples:>8} {s.accuracy:>9.3f} {s.answer_bits:>17.3f}")
+    lines += [
+        f"{s.distance:>9} {s.length:>7} {s.examples:>8} {s.accuracy:>9.3f} {s.answer_bits:>17.3f}" for s in result.scores
+    ]
     if result.reach:
         lines.append("farthest each branch reaches back (its segment length): "
                      + ", ".join(f"{label}: {distance}" for label, distance in result.reach))
@@ -130,11 +131,11 @@ def plot(results: Sequence[tuple[str, RetrievalResult]], path: str, title: str) 
 
 def branch_reach(segment_lengths: Sequence[int], dilation_rates: Sequence[int]) -> list[tuple[str, int]]:
     """Each branch's segment length, labelled: no query attends further back."""
-    return [(f"w={w}, r={r}", w) for w, r in zip(segment_lengths, dilation_rates)]
+    return [(f"w={w}, r={r}", w) for w, r in zip(segment_lengths, dilation_rates, strict=True)]
 
 
-def evaluate_run(run_dir: str, task: str, *, examples: int = 32, max_distance: Optional[int] = None, seed: int = 0,
-                 batch_size: int = 8, device=None, out: Optional[str] = None) -> RetrievalResult:
+def evaluate_run(run_dir: str, task: str, *, examples: int = 32, max_distance: int | None = None, seed: int = 0,
+                 batch_size: int = 8, device=None, out: str | None = None) -> RetrievalResult:
     """Score a run's latest checkpoint on ``task`` at distances up to ``max_distance``
     (default: the run's training context); write ``retrieval-<task>.json``, ``.txt``
     and ``.png`` into ``out`` (default: the run folder). A passkey hides in text of

@@ -9,10 +9,9 @@ import errno
 import json
 import os
 import re
-from typing import Optional
 
-from ..utils.files import TEMPORARY_SUFFIX, atomic_write
 from ..models import LongNetConfig
+from ..utils.files import TEMPORARY_SUFFIX, atomic_write
 from .settings import TrainSettings
 
 CONFIG = "config.json"
@@ -32,7 +31,7 @@ class RunLock:
     def __init__(self, run_dir: str):
         path = os.path.join(run_dir, LOCK)
         try:  # never through a link: the lock file is written
-            self._fd: Optional[int] = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as exc:
             if os.path.islink(path):
                 raise ValueError(f"{path} is a symbolic link, not the run's lock file: remove it") from None
@@ -66,7 +65,7 @@ class RunLock:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc) -> None:

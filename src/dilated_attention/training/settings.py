@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -35,7 +34,7 @@ class TrainSettings:
     context: int = 512
     batch_size: int = 8
     steps: int = 600
-    minutes: Optional[float] = None
+    minutes: float | None = None
     lr: float = 3e-3
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1
@@ -44,12 +43,12 @@ class TrainSettings:
     dtype: str = "float32"
     grad_checkpointing: bool = False
     seed: int = 0
-    data: Optional[str] = None
+    data: str | None = None
     eval_interval: int = 50
     eval_windows: int = 16
     checkpoint_interval: int = 100
     sequence_parallel: bool = False
-    task: Optional[str] = None
+    task: str | None = None
     task_fraction: float = 0.5
 
     def __post_init__(self):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -68,7 +67,7 @@ def chance(task: str) -> float:
 
 
 def make_example(task: str, length: int, distance: int, generator: torch.Generator,
-                 filler: Optional[torch.Tensor] = None) -> Example:
+                 filler: torch.Tensor | None = None) -> Example:
     """One example of ``task``, ``length`` bytes, its fact ``distance`` bytes before
     its answer. ``filler`` (uint8 text, ``passkey`` only; default: spaces and
     newlines at random) fills the rest around the fact."""
@@ -97,7 +96,7 @@ def _text(data: torch.Tensor, count: int, generator: torch.Generator) -> bytes:
     return bytes(data[start : start + count].tolist())
 
 
-def _passkey(length: int, distance: int, generator: torch.Generator, filler: Optional[torch.Tensor]) -> Example:
+def _passkey(length: int, distance: int, generator: torch.Generator, filler: torch.Tensor | None) -> Example:
     key = _digits(PASSKEY_DIGITS, generator)
     if filler is None:
         filler = torch.tensor(list(b" \n"), dtype=torch.uint8)[torch.randint(0, 2, (4096,), generator=generator)]
@@ -149,11 +148,11 @@ def sample_distance(task: str, length: int, generator: torch.Generator) -> int:
     """A distance for a training example: log-uniform from the shortest to the
     longest the length allows."""
     low, high = min_distance(task), length - min_length(task, 0)
-    return int(round(math.exp(math.log(low) + float(torch.rand((), generator=generator)) * math.log(high / low))))
+    return round(math.exp(math.log(low) + float(torch.rand((), generator=generator)) * math.log(high / low)))
 
 
 def mix_into(inputs: torch.Tensor, targets: torch.Tensor, task: str, fraction: float, generator: torch.Generator,
-             filler: Optional[torch.Tensor] = None) -> None:
+             filler: torch.Tensor | None = None) -> None:
     """Replace about ``fraction`` of the rows of a training batch (``inputs, targets``
     int64 ``(B, N)``, next-byte pairs) by examples of ``task``, in place, each at a
     random distance (:func:`sample_distance`)."""

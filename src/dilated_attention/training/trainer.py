@@ -7,6 +7,7 @@ resumed run computes the same losses, step for step, as one that was never inter
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import math
@@ -14,16 +15,17 @@ import os
 import signal
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
 
-from ..utils.extras import require
 from ..models import LongNetConfig, LongNetLM
+from ..utils.extras import require
 from . import checkpoint, parallel, run_folder, tasks
 from .data import Batches, check_long_enough, evaluation_starts, load_corpus, windows
 from .settings import AUTOCAST_DTYPES, TrainSettings
+
 
 def load_model(run_dir: str, device="cpu") -> LongNetLM:
     """The model of a run's latest checkpoint, in eval mode."""
@@ -67,10 +69,8 @@ class _StopRequest:
 
     def __enter__(self):
         for sig in self.SIGNALS:
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread: the signals keep their usual meaning
                 self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: the signals keep their usual meaning
-                pass
         return self
 
     def _handle(self, signum, frame):
@@ -87,12 +87,12 @@ class _StopRequest:
 
 def train(
     run_dir: str,
-    settings: Optional[TrainSettings] = None,
-    model_config: Optional[LongNetConfig] = None,
+    settings: TrainSettings | None = None,
+    model_config: LongNetConfig | None = None,
     *,
     resume: bool = False,
-    device: Optional[str] = None,
-    callback: Optional[Callable[[dict], None]] = None,
+    device: str | None = None,
+    callback: Callable[[dict], None] | None = None,
     progress: bool = True,
 ) -> dict:
     """Train (or with ``resume=True`` continue) the run in ``run_dir``; return a summary.
@@ -285,9 +285,8 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
             stop_now = out_of_time or interrupted
             if step % settings.checkpoint_interval == 0 or last or stop_now:
                 save()
-            if "val_bpb" in record or last or stop_now:
-                if place.is_main:
-                    run_folder.plot(run_dir)
+            if ("val_bpb" in record or last or stop_now) and place.is_main:
+                run_folder.plot(run_dir)
             if stop_now:
                 stop_reason = "interrupted" if interrupted else "out of time"
                 break
@@ -311,7 +310,7 @@ class _Speed:
         return self.tokens / max(self.seconds, 1e-9)
 
 
-def _resumed_settings(saved: TrainSettings, given: Optional[TrainSettings]) -> TrainSettings:
+def _resumed_settings(saved: TrainSettings, given: TrainSettings | None) -> TrainSettings:
     """The saved settings with ``given``'s ``steps`` and ``minutes`` (a time limit is
     per invocation: a resumed run has none unless given one)."""
     if given is None:
@@ -360,7 +359,7 @@ def _check_split(settings: TrainSettings, place) -> None:
         raise ValueError(f"--context {settings.context} is shorter than the {place.world} sequence shards")
 
 
-def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> Optional[dict]:
+def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> dict | None:
     """The checkpoint to resume, checked against the run's configuration and log;
     ``None`` for a run stopped before its first checkpoint (it starts from step 0)."""
     if run_folder.never_started(run_dir):
