@@ -9,8 +9,9 @@ from dilated_attention.tools.check import max_relative_error
 
 original = kernels._pad_head_dim
 for variant in ("as they come", "output layout"):
-    kernels._pad_head_dim = original if variant == "as they come" else (
-        lambda *ts, output_layout=False: original(*ts, output_layout=True))
+    kernels._pad_head_dim = (
+        original if variant == "as they come" else (lambda *ts, output_layout=False: original(*ts, output_layout=True))
+    )
     worst = 0.0
     for dtype in (torch.bfloat16, torch.float16):
         for dim in (5, 8, 64, 128):

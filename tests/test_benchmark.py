@@ -68,15 +68,34 @@ def test_peak_memory_restores_glibc_defaults_on_exit(monkeypatch):
     m_mmap_threshold, m_trim_threshold, kib = -3, -1, 1024  # glibc's malloc.h
     with pytest.raises(RuntimeError, match="inside"), PeakMemory(torch.device("cpu")):  # noqa: PT012 - the body is under test
         assert libc.calls == [
-            ("mallopt", m_mmap_threshold, 256 * kib), ("mallopt", m_trim_threshold, 256 * kib), ("malloc_trim", 0)
+            ("mallopt", m_mmap_threshold, 256 * kib),
+            ("mallopt", m_trim_threshold, 256 * kib),
+            ("malloc_trim", 0),
         ]
         raise RuntimeError("inside the block")
     assert libc.calls[3:] == [("mallopt", m_mmap_threshold, 128 * kib), ("mallopt", m_trim_threshold, 128 * kib)]
 
 
 TINY_BENCH = [
-    "bench", "--seq-lens", "64", "--impl", "mixture", "--segment-lengths", "16", "--dilation-rates", "1",
-    "--heads", "1", "--head-dim", "8", "--repeats", "1", "--matmul-size", "64", "--no-backward", "--quiet",
+    "bench",
+    "--seq-lens",
+    "64",
+    "--impl",
+    "mixture",
+    "--segment-lengths",
+    "16",
+    "--dilation-rates",
+    "1",
+    "--heads",
+    "1",
+    "--head-dim",
+    "8",
+    "--repeats",
+    "1",
+    "--matmul-size",
+    "64",
+    "--no-backward",
+    "--quiet",
 ]
 
 
@@ -129,9 +148,29 @@ def test_fresh_folder_never_reuses_a_folder(tmp_path):
 
 def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     args = [
-        "bench", "--seq-lens", "64", "96", "--segment-lengths", "16", "32", "--dilation-rates", "1", "2",
-        "--heads", "2", "--head-dim", "8", "--repeats", "1", "--matmul-size", "128", "--quiet",
-        "--out-dir", str(tmp_path), "--name", "smoke",
+        "bench",
+        "--seq-lens",
+        "64",
+        "96",
+        "--segment-lengths",
+        "16",
+        "32",
+        "--dilation-rates",
+        "1",
+        "2",
+        "--heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--repeats",
+        "1",
+        "--matmul-size",
+        "128",
+        "--quiet",
+        "--out-dir",
+        str(tmp_path),
+        "--name",
+        "smoke",
     ]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -153,10 +192,32 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
 
 def test_bench_skips_what_would_take_too_long(tmp_path, capsys):
     args = [
-        "bench", "--seq-lens", "64", "4096", "--impl", "dense", "--segment-lengths", "16",
-        "--dilation-rates", "1", "--heads", "1", "--head-dim", "8", "--repeats", "1",
-        "--matmul-size", "128", "--max-seconds", "0.000001", "--no-backward", "--no-memory",
-        "--no-plot", "--quiet", "--out-dir", str(tmp_path),
+        "bench",
+        "--seq-lens",
+        "64",
+        "4096",
+        "--impl",
+        "dense",
+        "--segment-lengths",
+        "16",
+        "--dilation-rates",
+        "1",
+        "--heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--repeats",
+        "1",
+        "--matmul-size",
+        "128",
+        "--max-seconds",
+        "0.000001",
+        "--no-backward",
+        "--no-memory",
+        "--no-plot",
+        "--quiet",
+        "--out-dir",
+        str(tmp_path),
     ]
     assert main(args) == 0
     assert "skipped: predicted" in capsys.readouterr().out
@@ -173,9 +234,31 @@ def test_bench_progress_is_a_bar_only_on_a_terminal(terminal, tmp_path, capsys, 
     redrawn with carriage returns."""
     stream = Terminal() if terminal else io.StringIO()
     monkeypatch.setattr("sys.stderr", stream)
-    args = ["bench", "--seq-lens", "64", "96", "--impl", "dense", "--segment-lengths", "16", "--dilation-rates", "1",
-            "--heads", "1", "--head-dim", "8", "--repeats", "1", "--matmul-size", "128", "--no-backward",
-            "--no-memory", "--no-plot", "--out-dir", str(tmp_path)]
+    args = [
+        "bench",
+        "--seq-lens",
+        "64",
+        "96",
+        "--impl",
+        "dense",
+        "--segment-lengths",
+        "16",
+        "--dilation-rates",
+        "1",
+        "--heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--repeats",
+        "1",
+        "--matmul-size",
+        "128",
+        "--no-backward",
+        "--no-memory",
+        "--no-plot",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     progress = stream.getvalue()
     if terminal:
@@ -188,17 +271,41 @@ def test_bench_progress_is_a_bar_only_on_a_terminal(terminal, tmp_path, capsys, 
 def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):
     from dilated_attention.tools.cli import main
 
-    args = ["decode-bench", "--positions", "64", "256", "--segment-lengths", "8", "32", "--dilation-rates", "1", "2",
-            "--heads", "2", "--head-dim", "4", "--steps", "40", "--dense-steps", "3", "--out-dir", str(tmp_path)]
+    args = [
+        "decode-bench",
+        "--positions",
+        "64",
+        "256",
+        "--segment-lengths",
+        "8",
+        "32",
+        "--dilation-rates",
+        "1",
+        "2",
+        "--heads",
+        "2",
+        "--head-dim",
+        "4",
+        "--steps",
+        "40",
+        "--dense-steps",
+        "3",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     rows = json.loads((tmp_path / "decode-cpu-float32.json").read_text())["rows"]
     assert [(r["impl"], r["batch"], r["position"]) for r in rows] == [
-        (impl, batch, position) for position in (64, 256) for batch in ("1", "8 equal", "8 padded")
+        (impl, batch, position)
+        for position in (64, 256)
+        for batch in ("1", "8 equal", "8 padded")
         for impl in ("dilated", "dense")
     ]
     assert all(r["ms_per_token"] > 0 for r in rows)
-    assert {r["note"] for r in rows if r["impl"] == "dense"} == {"SDPA (CPU flash)",
-                                                                  "SDPA (CPU flash), boolean key mask"}
+    assert {r["note"] for r in rows if r["impl"] == "dense"} == {
+        "SDPA (CPU flash)",
+        "SDPA (CPU flash), boolean key mask",
+    }
     dilated = [r["cache_bytes"] for r in rows if r["impl"] == "dilated" and r["batch"] == "1"]
     dense = [r["cache_bytes"] for r in rows if r["impl"] == "dense" and r["batch"] == "1"]
     assert dilated[0] == dilated[1] and dense[1] > 2 * dense[0]  # bounded, against growing
@@ -226,7 +333,7 @@ def test_flexattention_peer_computes_the_same_mixture(is_causal):
 
 def test_bench_names_the_kernels_and_the_floor_of_each_row(tmp_path):
     args = [arg if arg != "mixture" else "dense" for arg in TINY_BENCH]
-    args[args.index("dense") + 1:args.index("dense") + 1] = ["mixture", "mixture-torch"]
+    args[args.index("dense") + 1 : args.index("dense") + 1] = ["mixture", "mixture-torch"]
     assert main([*args, "--out-dir", str(tmp_path), "--name", "kernels", "--no-plot"]) == 0
     result = json.loads((tmp_path / "kernels.json").read_text())
     assert result["copy_gbps"] > 0

@@ -25,8 +25,9 @@ def chunkings(draw, total: int):
 def make_cache(cfg, tensors, **kwargs):
     batch, _, heads, dim = tensors[0].shape
     attn = dict(mode=cfg["mode"], head_offsets=cfg["head_offsets"], softmax_scale=cfg["softmax_scale"])
-    return DilatedKVCache(batch, heads, dim, cfg["segment_lengths"], cfg["dilation_rates"],
-                          dtype=tensors[0].dtype, **attn, **kwargs)
+    return DilatedKVCache(
+        batch, heads, dim, cfg["segment_lengths"], cfg["dilation_rates"], dtype=tensors[0].dtype, **attn, **kwargs
+    )
 
 
 def feed(cache, tensors, sizes):
@@ -200,8 +201,8 @@ def test_inference_mode_then_normal_use_and_canonical_devices():
     [
         (2**64, "start must be at most 2**62 (positions are int64), got 18446744073709551616"),
         (2**62 + 8, "start must be at most 2**62"),
-        (-2**62 - 1, "start must be >= -2**62 (positions are int64)"),
-        (torch.tensor([0, -2**63]), "start must be >= -2**62 (positions are int64), got -9223372036854775808"),
+        (-(2**62) - 1, "start must be >= -2**62 (positions are int64)"),
+        (torch.tensor([0, -(2**63)]), "start must be >= -2**62 (positions are int64), got -9223372036854775808"),
     ],
 )
 def test_starts_are_bounded_like_key_offsets(start, fragment):
@@ -210,10 +211,10 @@ def test_starts_are_bounded_like_key_offsets(start, fragment):
     cache = DilatedKVCache(2, 2, 3, [4, 8], [1, 2])
     with pytest.raises(ValueError, match=re.escape(fragment)):
         cache.reset(start)
-    cache = DilatedKVCache(2, 2, 3, [4, 8], [1, 2], start=torch.tensor([-2**62, 2**62]))  # the bounds themselves
+    cache = DilatedKVCache(2, 2, 3, [4, 8], [1, 2], start=torch.tensor([-(2**62), 2**62]))  # the bounds themselves
     x = torch.randn(2, 3, 2, 3, generator=torch.Generator().manual_seed(0))
     out = cache.attend(x, x, x)
-    assert cache.position.tolist() == [-2**62 + 3, 2**62 + 3]
+    assert cache.position.tolist() == [-(2**62) + 3, 2**62 + 3]
     assert torch.all(out[0] == 0) and torch.isfinite(out[1]).all()
 
 
@@ -262,6 +263,7 @@ def test_a_call_that_fails_leaves_the_cache_as_it_was(chunk, poison, monkeypatch
     with pytest.raises(ValueError, match="like the cache"):
         cache.attend(*then[:2], then[2].float())
     assert _same_state(cache, state)
+
     def failing(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
@@ -283,8 +285,10 @@ def test_a_batch_of_another_size_names_the_caches():
     from dilated_attention.nn.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(5)
-    fix = ("feed the next positions of every sequence in each call, or first keep only those to continue with "
-           "cache.reorder(indices)")
+    fix = (
+        "feed the next positions of every sequence in each call, or first keep only those to continue with "
+        "cache.reorder(indices)"
+    )
     cache = DilatedKVCache(3, 2, 4, [4, 8], [1, 2])
     x = torch.randn(2, 1, 2, 4, generator=gen)
     with pytest.raises(ValueError, match=re.escape("the cache holds 3 sequences, but q has a batch of 2: " + fix)):
@@ -292,8 +296,9 @@ def test_a_batch_of_another_size_names_the_caches():
     mha = MultiheadDilatedAttention(8, 2, [4, 8], [1, 2], rotary=RotaryEmbedding(4)).eval()
     with pytest.raises(ValueError, match=re.escape("the cache holds 3 sequences, but query has a batch of 2")):
         mha(torch.randn(2, 5, 8, generator=gen), is_causal=True, cache=mha.new_cache(3))
-    model = LongNetLM(LongNetConfig(vocab_size=11, dim=8, depth=1, heads=2, ffn_dim=16, segment_lengths=(4, 8),
-                                    dilation_rates=(1, 2))).eval()
+    model = LongNetLM(
+        LongNetConfig(vocab_size=11, dim=8, depth=1, heads=2, ffn_dim=16, segment_lengths=(4, 8), dilation_rates=(1, 2))
+    ).eval()
     cache = model.new_cache(1)
     with pytest.raises(ValueError, match=re.escape("the cache holds 1 sequence, but tokens has a batch of 3")):
         model(torch.randint(0, 11, (3, 4), generator=gen), cache=cache)

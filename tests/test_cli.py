@@ -56,8 +56,11 @@ def test_pattern_on_a_grid_draws_each_order_and_prints_the_locality(tmp_path, ca
     assert [line.split()[0] for line in lines[2:4]] == ["row_major", "hilbert"]
     assert lines[2].split()[1:5] == ["50.0%", "1.0", "x", "16.0"]  # a segment of 16 is one row
     assert lines[3].split()[1:5] == ["80.0%", "4.0", "x", "4.0"]  # 4 x 4 squares: 24 of 30 pairs each
-    for bad, message in ((["--query", "16", "0"], "--query 16 0 must be a patch"), (["--causal"], "without --causal"),
-                         (["--head", "2"], "--head 2 must be below --heads 2")):
+    for bad, message in (
+        (["--query", "16", "0"], "--query 16 0 must be a patch"),
+        (["--causal"], "without --causal"),
+        (["--head", "2"], "--head 2 must be below --heads 2"),
+    ):
         assert main(args + bad + ["--out", str(path)]) == 2
         assert message in capsys.readouterr().err
     assert main(["pattern", "--segment-lengths", "4", "--dilation-rates", "1"]) == 2
@@ -102,7 +105,9 @@ def test_pattern_rejects_bad_configuration(tmp_path, capsys):
 def test_module_entry_point_runs():
     result = subprocess.run(
         [sys.executable, "-m", "dilated_attention", "check", "--dtype", "float64"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "all passed" in result.stdout
@@ -152,8 +157,10 @@ def test_every_option_says_what_it_does_and_its_default(command, capsys, monkeyp
         (["bench", "--heads", "0"], "argument --heads: must be >= 1, got 0"),
         (["bench", "--seq-lens", "4096", "0"], "argument --seq-lens: must be >= 1, got 0"),
         (["bench", "--max-seconds", "-1"], "argument --max-seconds: must be a number > 0"),
-        (["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "-5", "--heads", "2"],
-         "argument --length: must be >= 1, got -5"),
+        (
+            ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "-5", "--heads", "2"],
+            "argument --length: must be >= 1, got -5",
+        ),
     ],
 )
 def test_out_of_range_numbers_are_usage_errors(argv, fragment, capsys):
@@ -166,10 +173,14 @@ def test_out_of_range_numbers_are_usage_errors(argv, fragment, capsys):
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["bench", "--segment-lengths", "8,16"],
-         "argument --segment-lengths: must be an int >= 1, got '8,16' (separate several values with spaces: 8 16)"),
-        (["decode-bench", "--positions", "4k"],
-         "argument --positions: must be an int >= 1, got '4k' (several values are separated by spaces)"),
+        (
+            ["bench", "--segment-lengths", "8,16"],
+            "argument --segment-lengths: must be an int >= 1, got '8,16' (separate several values with spaces: 8 16)",
+        ),
+        (
+            ["decode-bench", "--positions", "4k"],
+            "argument --positions: must be an int >= 1, got '4k' (several values are separated by spaces)",
+        ),
         (["bench", "--heads", "two"], "argument --heads: must be an int >= 1, got 'two'"),
         (["bench", "--max-seconds", "soon"], "argument --max-seconds: must be a number > 0, got 'soon'"),
     ],
@@ -187,10 +198,17 @@ def test_unreadable_numbers_say_what_is_expected(argv, fragment, capsys):
     [
         (["--verison"], "error: unrecognized option --verison: did you mean --version?"),
         (["--verison", "check"], "error: unrecognized option --verison: did you mean --version?"),
-        (["bnech", "--heads", "2"], ("error: unknown command 'bnech': did you mean bench? (commands: check, pattern, "
-                                    "bench, decode-bench, train, generate, evaluate)")),
-        (["pattern", "--segmnet-lengths", "8", "--dilation-rates", "1"],
-         "error: unrecognized option --segmnet-lengths: did you mean --segment-lengths?"),
+        (
+            ["bnech", "--heads", "2"],
+            (
+                "error: unknown command 'bnech': did you mean bench? (commands: check, pattern, "
+                "bench, decode-bench, train, generate, evaluate)"
+            ),
+        ),
+        (
+            ["pattern", "--segmnet-lengths", "8", "--dilation-rates", "1"],
+            "error: unrecognized option --segmnet-lengths: did you mean --segment-lengths?",
+        ),
         (["bench", "--sed-lens=64"], "error: unrecognized option --sed-lens: did you mean --seq-lens?"),
     ],
 )
@@ -206,8 +224,10 @@ def test_unknown_options_and_commands_come_first_with_the_closest_name(argv, fra
 
 def test_abbreviations_negative_numbers_and_values_are_not_unknown_options(tmp_path, capsys):
     path = tmp_path / "p.png"
-    assert main(["pattern", "--segment-l", "8", "--dilation-rates=1", "--length", "8", "--heads", "1",
-                 "--out", str(path)]) == 0
+    assert (
+        main(["pattern", "--segment-l", "8", "--dilation-rates=1", "--length", "8", "--heads", "1", "--out", str(path)])
+        == 0
+    )
     with pytest.raises(SystemExit):
         main(["pattern", "--grid", "4", "4", "--segment-lengths", "4", "--dilation-rates", "1", "--query", "-1", "0"])
     assert "argument --query: must be >= 0, got -1" in capsys.readouterr().err

@@ -111,8 +111,18 @@ def test_grouped_query_dropout_is_that_of_repeated_keys(head_offsets):
 
     def run(k, v):
         torch.manual_seed(5)
-        out, lse = dilated_attention(q, k, v, SEGS, RATES, head_offsets=head_offsets, is_causal=True, dropout_p=0.3,
-                                     key_padding_mask=mask, return_lse=True)
+        out, lse = dilated_attention(
+            q,
+            k,
+            v,
+            SEGS,
+            RATES,
+            head_offsets=head_offsets,
+            is_causal=True,
+            dropout_p=0.3,
+            key_padding_mask=mask,
+            return_lse=True,
+        )
         return [out, lse, *torch.autograd.grad((out, lse), (q, k, v), (grad, grad_lse.float()))]
 
     shared, full = run(k, v), run(*repeated)

@@ -39,8 +39,10 @@ def test_float64_matches_reference(cfg):
     compare_with_reference(cfg)
 
 
-@given(configs(max_len=40, max_heads=4, grouped_query=True),
-       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+@given(
+    configs(max_len=40, max_heads=4, grouped_query=True),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
 def test_low_precision_within_tolerance(cfg, dtype):
     # |scale| > 1 amplifies input rounding beyond the tolerances, which are for scales <= 1.
     cfg = dict(cfg, softmax_scale=None if cfg["softmax_scale"] == -1.3 else cfg["softmax_scale"])
@@ -163,7 +165,7 @@ def test_lse_gradient_with_a_head_dim_of_one_laid_out_sequence_fastest(strided):
     not inherit that layout (PyTorch's CPU flash backward gets it wrong)."""
     gen = torch.Generator().manual_seed(8)
     inputs = [torch.randn(1, 17, 5, 1, generator=gen, dtype=torch.float64) for _ in range(3)]
-    for index in ([0, 1] if strided == "qk" else [2]):
+    for index in [0, 1] if strided == "qk" else [2]:
         inputs[index] = inputs[index].permute(0, 3, 2, 1).contiguous().permute(0, 3, 2, 1)
     inputs = [t.requires_grad_() for t in inputs]
     grad, grad_lse = torch.randn(1, 17, 5, 1, generator=gen), torch.randn(1, 17, 5, generator=gen)
@@ -293,8 +295,7 @@ def test_cuda_flash_kernel_calls_fit_the_op_schemas(masked):
         q = torch.empty(2, 37, 6, 12, device="meta", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.empty(2, 37, 2, 12, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
         mask = torch.empty(2, 37, dtype=torch.bool, device="meta") if masked else None
-        out, lse = dilated_attention(q, k, v, [8, 16], [1, 3], key_padding_mask=mask, is_causal=True,
-                                     return_lse=True)
+        out, lse = dilated_attention(q, k, v, [8, 16], [1, 3], key_padding_mask=mask, is_causal=True, return_lse=True)
         grads = torch.autograd.grad((out, lse), (q, k, v), (torch.empty_like(out), torch.empty_like(lse)))
     assert out.shape == q.shape and lse.shape == (2, 37, 6) and lse.dtype == torch.float32
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
@@ -355,7 +356,6 @@ def test_grouped_query_keys_are_shared_not_repeated(layout):
     with LargestTensor() as largest:
         out = dilated_attention(q, k, v, layout=layout, **branches)
     assert largest.numel <= k.numel()
-    ref, _ = reference_dilated_attention(*(t.transpose(1, 2) if layout == "bhnd" else t for t in (q, k, v)),
-                                         **branches)
+    ref, _ = reference_dilated_attention(*(t.transpose(1, 2) if layout == "bhnd" else t for t in (q, k, v)), **branches)
     ref = ref.transpose(1, 2) if layout == "bhnd" else ref
     assert max_relative_error(out, ref) <= 1e-5

@@ -33,7 +33,9 @@ def test_dilated_attention_module_matches_function():
 def reference_mha(mha, query, key, value, **kwargs):
     """The module's computation with the dense reference in place of the library."""
     heads = (mha.num_heads, mha.embed_dim // mha.num_heads)
-    q, k, v = (proj(x).unflatten(-1, heads) for proj, x in ((mha.q_proj, query), (mha.k_proj, key), (mha.v_proj, value)))
+    q, k, v = (
+        proj(x).unflatten(-1, heads) for proj, x in ((mha.q_proj, query), (mha.k_proj, key), (mha.v_proj, value))
+    )
     att = mha.attention
     x, _ = reference_dilated_attention(q, k, v, att.segment_lengths, att.dilation_rates, mode=att.mode, **kwargs)
     x = x.flatten(-2)

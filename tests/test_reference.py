@@ -38,7 +38,8 @@ def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, head_offsets, is_c
                     if (p - s * w) % r != offset:
                         continue
                     keys = [
-                        key for key in range(s * w, min((s + 1) * w, n))
+                        key
+                        for key in range(s * w, min((s + 1) * w, n))
                         if (key - s * w) % r == offset
                         and not (is_causal and key > p)
                         and not (mask is not None and mask[b, key])
@@ -58,7 +59,7 @@ def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, head_offsets, is_c
                     out[b, p, h] = sum(math.exp(part - big) * o for o, part in results)
                     lse[b, p, h] = big
                 else:
-                    (o, part), = results
+                    ((o, part),) = results
                     out[b, p, h] = o / groups
                     lse[b, p, h] = part
     return out, lse

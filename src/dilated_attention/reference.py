@@ -133,13 +133,31 @@ def reference_dilated_attention(
     and the NaN rows pass no gradient back.
     """
     call = check_attention(
-        q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask,
-        head_offsets=head_offsets, key_offset=key_offset,
+        q,
+        k,
+        v,
+        segment_lengths,
+        dilation_rates,
+        mode,
+        is_causal,
+        softmax_scale,
+        key_padding_mask,
+        head_offsets=head_offsets,
+        key_offset=key_offset,
     )
     offsets = branch_offsets(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets)
     return _dense_dilated_attention(
-        call.q, call.k, call.v, call.segment_lengths, call.dilation_rates, offsets, call.mode, call.is_causal,
-        call.scale, call.padding, call.key_offsets,
+        call.q,
+        call.k,
+        call.v,
+        call.segment_lengths,
+        call.dilation_rates,
+        offsets,
+        call.mode,
+        call.is_causal,
+        call.scale,
+        call.padding,
+        call.key_offsets,
     )
 
 

@@ -61,10 +61,12 @@ class LongNetConfig:
             raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim (dim / heads), got {self.head_dim}")
-        object.__setattr__(self, "rotary_base", validation.check_number(self.rotary_base, "rotary_base", 1,
-                                                                        low_open=True))
-        object.__setattr__(self, "layer_norm_eps", validation.check_number(self.layer_norm_eps, "layer_norm_eps", 0,
-                                                                           low_open=True))
+        object.__setattr__(
+            self, "rotary_base", validation.check_number(self.rotary_base, "rotary_base", 1, low_open=True)
+        )
+        object.__setattr__(
+            self, "layer_norm_eps", validation.check_number(self.layer_norm_eps, "layer_norm_eps", 0, low_open=True)
+        )
 
     @property
     def head_dim(self) -> int:
@@ -122,12 +124,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(dim=128, depth=2, heads=4, ffn_dim=512, segment_lengths=(64, 128, 256), dilation_rates=(1, 2, 4)),
     # About 3 M parameters; every branch attends over 512 selected positions, up to 16K back.
     "small": dict(
-        dim=256, depth=4, heads=8, ffn_dim=1024,
-        segment_lengths=(512, 2048, 8192, 16384), dilation_rates=(1, 4, 16, 32),
+        dim=256,
+        depth=4,
+        heads=8,
+        ffn_dim=1024,
+        segment_lengths=(512, 2048, 8192, 16384),
+        dilation_rates=(1, 4, 16, 32),
     ),
     # LongNet's base model (Ding et al. 2023, section 4.1): 768 dims, 12 layers, 12 heads.
     "paper_base": dict(
-        dim=768, depth=12, heads=12, ffn_dim=3072,
-        segment_lengths=(2048, 4096, 8192, 16384, 32768), dilation_rates=(1, 2, 4, 6, 12),
+        dim=768,
+        depth=12,
+        heads=12,
+        ffn_dim=3072,
+        segment_lengths=(2048, 4096, 8192, 16384, 32768),
+        dilation_rates=(1, 2, 4, 6, 12),
     ),
 }

@@ -53,9 +53,16 @@ class LongNetBlock(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, config.rotary_base) if config.positions == "rotary" else None
         self.attention_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
         self.attention = MultiheadDilatedAttention(
-            config.dim, config.heads, config.segment_lengths, config.dilation_rates, mode=config.mode,
-            head_offsets=config.head_offsets, dropout=config.dropout, layer_norm_eps=config.layer_norm_eps,
-            gamma_init=config.gamma, rotary=rotary,
+            config.dim,
+            config.heads,
+            config.segment_lengths,
+            config.dilation_rates,
+            mode=config.mode,
+            head_offsets=config.head_offsets,
+            dropout=config.dropout,
+            layer_norm_eps=config.layer_norm_eps,
+            gamma_init=config.gamma,
+            rotary=rotary,
         )
         self.ffn_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
         self.ffn = FeedForward(config)
@@ -137,18 +144,22 @@ class LongNetLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def new_cache(self, batch_size: int, *, start=0, dtype=None, device=None, static: bool = False,
-                  max_chunk: int = 1) -> LongNetCache:
+    def new_cache(
+        self, batch_size: int, *, start=0, dtype=None, device=None, static: bool = False, max_chunk: int = 1
+    ) -> LongNetCache:
         """An empty cache for ``batch_size`` sequences (dtype: by default that of the
         projections, the autocast dtype inside ``torch.autocast``; device: the
         parameters'; ``start``: see :class:`dilated_attention.DilatedKVCache`;
         ``static``: :class:`dilated_attention.StaticKVCache` layers taking up to
         ``max_chunk`` tokens a call, for ``torch.compile`` and CUDA graphs)."""
-        return LongNetCache([
-            block.attention.new_cache(batch_size, start=start, dtype=dtype, device=device, static=static,
-                                      max_chunk=max_chunk)
-            for block in self.blocks
-        ])
+        return LongNetCache(
+            [
+                block.attention.new_cache(
+                    batch_size, start=start, dtype=dtype, device=device, static=static, max_chunk=max_chunk
+                )
+                for block in self.blocks
+            ]
+        )
 
     def forward(
         self,

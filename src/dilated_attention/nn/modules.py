@@ -211,8 +211,7 @@ class MultiheadDilatedAttention(nn.Module):
     def set_extra_state(self, state) -> None:
         _refuse_mismatch(self, dict(state), self.get_extra_state())
 
-    def new_cache(self, batch: int, *, start=0, dtype=None, device=None, static: bool = False,
-                  max_chunk: int = 1):
+    def new_cache(self, batch: int, *, start=0, dtype=None, device=None, static: bool = False, max_chunk: int = 1):
         """An empty :class:`dilated_attention.DilatedKVCache` for ``batch`` sequences that
         matches this module's heads and attention (with ``static``, a
         :class:`dilated_attention.StaticKVCache` taking up to ``max_chunk`` positions a
@@ -224,19 +223,31 @@ class MultiheadDilatedAttention(nn.Module):
         if dtype is None and torch.is_autocast_enabled(weight.device.type):
             dtype = torch.get_autocast_dtype(weight.device.type)
         attention = self.attention
-        kind, extra = (StaticKVCache, {"max_chunk": max_chunk}) if validation.check_flag(static, "static") else (
-            DilatedKVCache, {})
+        kind, extra = (
+            (StaticKVCache, {"max_chunk": max_chunk})
+            if validation.check_flag(static, "static")
+            else (DilatedKVCache, {})
+        )
         return kind(
-            batch, self.num_heads, self.embed_dim // self.num_heads, attention.segment_lengths,
-            attention.dilation_rates, mode=attention.mode, head_offsets=attention.head_offsets,
-            softmax_scale=attention.softmax_scale, start=start, dtype=dtype or weight.dtype,
-            device=weight.device if device is None else device, **extra,
+            batch,
+            self.num_heads,
+            self.embed_dim // self.num_heads,
+            attention.segment_lengths,
+            attention.dilation_rates,
+            mode=attention.mode,
+            head_offsets=attention.head_offsets,
+            softmax_scale=attention.softmax_scale,
+            start=start,
+            dtype=dtype or weight.dtype,
+            device=weight.device if device is None else device,
+            **extra,
         )
 
     def _check_cache(self, cache, batch: int, is_causal, key_padding_mask, process_group) -> None:
         if not isinstance(cache, (DilatedKVCache, StaticKVCache)):
-            raise TypeError(f"cache must be a DilatedKVCache or StaticKVCache (see new_cache), got "
-                            f"{validation.type_name(cache)}")
+            raise TypeError(
+                f"cache must be a DilatedKVCache or StaticKVCache (see new_cache), got {validation.type_name(cache)}"
+            )
         check_batch(cache.shape[0], batch, "query")
         if not is_causal or key_padding_mask is not None or process_group is not None:
             raise ValueError(
@@ -246,10 +257,24 @@ class MultiheadDilatedAttention(nn.Module):
         if self.training and self.attention.dropout > 0:
             raise ValueError("a cache computes without dropout: call .eval() first (or build with dropout=0)")
         attention, head_dim = self.attention, self.embed_dim // self.num_heads
-        mine = (self.num_heads, head_dim, attention.segment_lengths, attention.dilation_rates, attention.mode,
-                attention.head_offsets, validation.check_scale(attention.softmax_scale, head_dim))
-        theirs = (cache.shape[1], cache.shape[2], cache.segment_lengths, cache.dilation_rates, cache.mode,
-                  cache.head_offsets, cache.softmax_scale)
+        mine = (
+            self.num_heads,
+            head_dim,
+            attention.segment_lengths,
+            attention.dilation_rates,
+            attention.mode,
+            attention.head_offsets,
+            validation.check_scale(attention.softmax_scale, head_dim),
+        )
+        theirs = (
+            cache.shape[1],
+            cache.shape[2],
+            cache.segment_lengths,
+            cache.dilation_rates,
+            cache.mode,
+            cache.head_offsets,
+            cache.softmax_scale,
+        )
         if mine != theirs:
             raise ValueError(
                 f"the cache was built for (heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets, "
@@ -333,8 +358,9 @@ class MultiheadDilatedAttention(nn.Module):
         if cache is not None:
             x = cache.attend(q, k, v)
         else:
-            x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
-                               process_group=process_group)
+            x = self.attention(
+                q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, process_group=process_group
+            )
         x = x.flatten(-2)
         if self.norm is not None:
             x = self.norm(x)
@@ -370,8 +396,14 @@ class GridAttention(nn.Module):
         self.attention, self.order = attention, order
         self.extra_tokens = validation.check_non_negative_int(extra_tokens, "extra_tokens")
 
-    def forward(self, x: torch.Tensor, grid: Sequence[int], key_padding_mask: torch.Tensor | None = None,
-                process_group=None, **kwargs):
+    def forward(
+        self,
+        x: torch.Tensor,
+        grid: Sequence[int],
+        key_padding_mask: torch.Tensor | None = None,
+        process_group=None,
+        **kwargs,
+    ):
         """``(output, ...)`` as ``attention`` returns it, the output in ``x``'s order."""
         if process_group is not None:
             return self.attention(x, key_padding_mask=key_padding_mask, process_group=process_group, **kwargs)

@@ -63,12 +63,19 @@ def _settings(call, dropout_p: float) -> dict:
     """What every rank must agree on, by the name used in error messages."""
     batch, _, heads, head_dim = call.shape
     return {
-        "batch": batch, "heads": heads, "head_dim": head_dim, "dtype": str(call.q.dtype),
-        "device type": call.q.device.type, "mode": call.mode, "head_offsets": call.head_offsets,
+        "batch": batch,
+        "heads": heads,
+        "head_dim": head_dim,
+        "dtype": str(call.q.dtype),
+        "device type": call.q.device.type,
+        "mode": call.mode,
+        "head_offsets": call.head_offsets,
         "is_causal": call.is_causal,
         "key_padding_mask (given or None)": call.padding is not None,
-        "segment_lengths": list(call.segment_lengths), "dilation_rates": list(call.dilation_rates),
-        "softmax_scale": call.scale, "dropout_p": dropout_p,
+        "segment_lengths": list(call.segment_lengths),
+        "dilation_rates": list(call.dilation_rates),
+        "softmax_scale": call.scale,
+        "dropout_p": dropout_p,
     }
 
 
@@ -200,8 +207,9 @@ class Exchange:
                 index += 1
             outgoing[peer] = torch.cat([t.to(self.dtype).reshape(-1) for total in sums for t in total.values()])
         self._incoming = {
-            peer: torch.empty(2 * self.batch * self.dim * sum(len(r) for r in unions.values()),
-                              dtype=self.dtype, device=self.device)
+            peer: torch.empty(
+                2 * self.batch * self.dim * sum(len(r) for r in unions.values()), dtype=self.dtype, device=self.device
+            )
             for peer, unions in self.unions_to.items()
         }
         self._pending = self.communicator.transfer(outgoing, self._incoming)
@@ -255,7 +263,13 @@ def make_exchange(process_group, call, dropout_p: float, error: Exception | None
     lengths, seed = agree(group, call, dropout_p, error)
     batch, _, heads, dim = call.shape
     plan = make_shard_plan(
-        lengths, dist.get_rank(group), heads, call.segment_lengths, call.dilation_rates, call.mode, call.is_causal,
+        lengths,
+        dist.get_rank(group),
+        heads,
+        call.segment_lengths,
+        call.dilation_rates,
+        call.mode,
+        call.is_causal,
         call.head_offsets,
     )
     device = call.q.device

@@ -268,8 +268,14 @@ def _call(cfg: EngineConfig, block: Block, q, bad_q, source: KeySource, seed, gr
         keys_of_rows = row_keys(seed, rows.to(q.device), heads, positions)
         dropout = DropoutMask(cfg.dropout_p, _to_kernel(keys_of_rows), columns)
     return _Call(
-        _to_kernel(block.queries.select(q)), _to_kernel(keys.select(source.k)), _to_kernel(keys.select(source.v)),
-        pad, bad, block.is_causal, dropout, keys,
+        _to_kernel(block.queries.select(q)),
+        _to_kernel(keys.select(source.k)),
+        _to_kernel(keys.select(source.v)),
+        pad,
+        bad,
+        block.is_causal,
+        dropout,
+        keys,
     )
 
 
@@ -377,8 +383,18 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
     have run, so that the transfer overlaps them, and its blocks are merged in."""
     if cfg.fused is not None:
         plan = cfg.fused
-        return fused.kernels().forward(q, k, v, padding, plan.key_starts, plan.table, plan.is_causal, cfg.scale,
-                                       cfg.out_scale, _any_nonfinite(q, k, v, key_flags, cfg))
+        return fused.kernels().forward(
+            q,
+            k,
+            v,
+            padding,
+            plan.key_starts,
+            plan.table,
+            plan.is_causal,
+            cfg.scale,
+            cfg.out_scale,
+            _any_nonfinite(q, k, v, key_flags, cfg),
+        )
     batch, length, heads, dim = q.shape
     out = _buffer(q.shape, _accumulation_dtype(q.dtype, cfg, exchange is not None), q.device, cfg, 0.0)
     lse = _buffer((batch, length, heads), accumulator(q.dtype), q.device, cfg, -math.inf)
@@ -405,9 +421,7 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
     return out.to(q.dtype), lse
 
 
-def engine_backward(
-    grad_out, grad_lse, q, k, v, padding, seed, key_flags, out, lse, cfg: EngineConfig, exchange=None
-):
+def engine_backward(grad_out, grad_lse, q, k, v, padding, seed, key_flags, out, lse, cfg: EngineConfig, exchange=None):
     """``dq, dk, dv`` given ``grad_out`` and ``grad_lse`` (either may be ``None``: no
     gradient reaches that output); ``out``/``lse`` as returned by :func:`engine_forward`.
 
@@ -422,8 +436,19 @@ def engine_backward(
     if cfg.fused is not None:
         plan = cfg.fused
         return fused.kernels().backward(
-            torch.zeros_like(out) if grad_out is None else grad_out, q, k, v, out, lse, grad_lse, padding,
-            plan.key_starts, plan.table, plan.is_causal, cfg.scale, cfg.out_scale,
+            torch.zeros_like(out) if grad_out is None else grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            grad_lse,
+            padding,
+            plan.key_starts,
+            plan.table,
+            plan.is_causal,
+            cfg.scale,
+            cfg.out_scale,
             _any_nonfinite(q, k, v, key_flags, cfg),
         )
     batch, _, _, dim = q.shape
@@ -516,8 +541,18 @@ class DilatedAttentionFunction(torch.autograd.Function):
             )
         q, k, v, padding, seed, key_flags, out, lse = ctx.saved_tensors
         grads = engine_backward(
-            None if grad_out is None else contiguous_last_dim(grad_out), grad_lse,
-            q, k, v, padding, seed, key_flags, out, lse, ctx.cfg, ctx.exchange,
+            None if grad_out is None else contiguous_last_dim(grad_out),
+            grad_lse,
+            q,
+            k,
+            v,
+            padding,
+            seed,
+            key_flags,
+            out,
+            lse,
+            ctx.cfg,
+            ctx.exchange,
         )
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
         return dq, dk, dv, None, None, None, None, None

@@ -42,8 +42,10 @@ def requested(kernel: str | None) -> str:
     if kernel is None:
         kernel, source = os.environ.get(KERNEL_ENV) or "auto", KERNEL_ENV
     if kernel not in CHOICES:
-        raise ValueError(f"{source} must be one of {CHOICES} ('auto': Triton where it applies, 'triton': the fused "
-                         f"Triton kernels, 'torch': PyTorch's kernels), got {kernel!r}")
+        raise ValueError(
+            f"{source} must be one of {CHOICES} ('auto': Triton where it applies, 'triton': the fused "
+            f"Triton kernels, 'torch': PyTorch's kernels), got {kernel!r}"
+        )
     return kernel
 
 
@@ -63,8 +65,10 @@ def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> str | 
         return "Triton is not installed (it comes with PyTorch's CUDA builds; pip install triton)"
     if q.device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
-            return ("on the CPU they run only in Triton's interpreter: set TRITON_INTERPRET=1 in the environment "
-                    "before Triton is imported (best: before Python starts)")
+            return (
+                "on the CPU they run only in Triton's interpreter: set TRITON_INTERPRET=1 in the environment "
+                "before Triton is imported (best: before Python starts)"
+            )
         return None
     if q.device.type != "cuda":
         return f"Triton has no backend for {q.device.type} tensors here"
@@ -87,8 +91,7 @@ def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: str |
         if reason is not None:
             raise ValueError(f"kernel='triton' cannot run this call: {reason}; or use kernel='auto' or 'torch'")
         return True
-    return (reason is None and q.device.type == "cuda" and q.dtype in AUTO_DTYPES
-            and q.shape[-1] >= AUTO_MIN_HEAD_DIM)
+    return reason is None and q.device.type == "cuda" and q.dtype in AUTO_DTYPES and q.shape[-1] >= AUTO_MIN_HEAD_DIM
 
 
 def describe(q: torch.Tensor, dropout: float = 0.0, distributed: bool = False, kernel: str | None = None) -> str:

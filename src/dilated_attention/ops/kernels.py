@@ -179,9 +179,7 @@ class CpuFlashKernel:
     def forward(q, k, v, bias, is_causal, scale, dropout=None):
         _refuse_dropout(CpuFlashKernel, dropout)
         q, scale, _ = _positive_scale(q, scale, is_causal)
-        return _aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
-        )
+        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout=None):
@@ -258,9 +256,16 @@ class CudaEfficientKernel:
         lse_padded[..., :length] = lse
         no_rng = torch.empty((), dtype=torch.int64)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            *_pad_head_dim(dout, q, k, v, output_layout=True), _cuda_bias(bias, q.shape[1], length, k.shape[2]),
+            *_pad_head_dim(dout, q, k, v, output_layout=True),
+            _cuda_bias(bias, q.shape[1], length, k.shape[2]),
             *_pad_head_dim(out, output_layout=True),
-            lse_padded, no_rng, no_rng, 0.0, [True, True, True, False], is_causal, scale=scale,
+            lse_padded,
+            no_rng,
+            no_rng,
+            0.0,
+            [True, True, True, False],
+            is_causal,
+            scale=scale,
         )
         dq = dq[..., :dim]
         return (dq if sign == 1.0 else dq * sign), dk[..., :dim], dv[..., :dim]
@@ -281,8 +286,11 @@ class CudaFlashKernel:
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype, dropout: bool) -> bool:
         return (
-            device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not dropout
-            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+            device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16)
+            and not dropout
+            and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) >= (8, 0)
         )
 
     @staticmethod
@@ -310,8 +318,17 @@ class CudaFlashKernel:
         q, scale, sign = _positive_scale(q, scale, is_causal)
         unused = torch.empty(0, dtype=torch.int64, device=q.device)  # the random state: no dropout
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-            *_pad_head_dim(dout, q, k, v, out), lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
-            is_causal, unused, unused, scale=scale,
+            *_pad_head_dim(dout, q, k, v, out),
+            lse.float().contiguous(),
+            None,
+            None,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            is_causal,
+            unused,
+            unused,
+            scale=scale,
         )
         dq = dq[..., :dim]
         return (dq if sign == 1.0 else dq * sign), dk[..., :dim], dv[..., :dim]

@@ -164,9 +164,7 @@ def branch_head_sets(
         bounds = head_group_bounds(num_heads, len(dilation_rates))
         return [[(i % r, slice(*bounds[i]))] for i, r in enumerate(dilation_rates)]
     if head_offsets == "interleaved":
-        return [
-            [(o, slice(o, num_heads, min(r, num_heads))) for o in range(min(r, num_heads))] for r in dilation_rates
-        ]
+        return [[(o, slice(o, num_heads, min(r, num_heads))) for o in range(min(r, num_heads))] for r in dilation_rates]
     runs = [ceil_div(num_heads, min(r, num_heads)) for r in dilation_rates]
     return [
         [(o, slice(o * run, min((o + 1) * run, num_heads))) for o in range(ceil_div(num_heads, run))] for run in runs
@@ -241,8 +239,15 @@ def make_plan(
     key_offset %= math.lcm(*segment_lengths)  # (clamping w to the sequence changes no segment)
     plan = _make_plan.__wrapped__ if torch.compiler.is_compiling() else _make_plan  # compiled: traced once
     return plan(
-        num_queries, num_heads, tuple(segment_lengths), tuple(dilation_rates), mode, is_causal, head_offsets,
-        num_keys, key_offset,
+        num_queries,
+        num_heads,
+        tuple(segment_lengths),
+        tuple(dilation_rates),
+        mode,
+        is_causal,
+        head_offsets,
+        num_keys,
+        key_offset,
     )
 
 
@@ -385,7 +390,8 @@ def make_shard_plan(
             seg_lo, seg_hi = seg * w, min((seg + 1) * w, seq_len)
             mine = (max(seg_lo, lo), min(seg_hi, hi))
             peers = [
-                k for k in range(len(shard_lengths))
+                k
+                for k in range(len(shard_lengths))
                 if k != rank and starts[k] < seg_hi and starts[k] + shard_lengths[k] > seg_lo
             ]
             for offset, heads in head_sets[i]:
@@ -458,7 +464,10 @@ class BranchTable:
 
 @functools.lru_cache(maxsize=256)
 def branch_table(
-    num_heads: int, segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...], mode: str,
+    num_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    mode: str,
     head_offsets: str = "interleaved",
 ) -> BranchTable:
     """The :class:`BranchTable` of these branches for ``num_heads`` heads (cached)."""
@@ -496,7 +505,9 @@ def fused_row_step(segment_lengths: tuple[int, ...], rates: tuple[int, ...], til
     candidates = [d for d in range(1, min(limit, MAX_ROW_STEP) + 1) if limit % d == 0]
 
     def work(step: int) -> float:
-        return sum(w / r**2 * (r / math.gcd(step, r)) * max(1.0, step * tile_rows / w)
-                   for w, r in zip(segment_lengths, rates, strict=True))
+        return sum(
+            w / r**2 * (r / math.gcd(step, r)) * max(1.0, step * tile_rows / w)
+            for w, r in zip(segment_lengths, rates, strict=True)
+        )
 
     return min(candidates, key=lambda step: (work(step), step))

@@ -15,7 +15,10 @@ from .plan import HEAD_OFFSETS, MODES, window_start_needed
 
 # The dtypes the library computes in, by name (as the command line spells them).
 FLOAT_DTYPES = {
-    "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
 }
 
 # The largest position a key may have (positions are int64, with room to spare).
@@ -75,7 +78,9 @@ def check_mode(mode) -> str:
 
 def check_layout(layout) -> str:
     return _check_choice(
-        layout, "layout", LAYOUTS,
+        layout,
+        "layout",
+        LAYOUTS,
         f" ('bnhd' for {LAYOUTS['bnhd']}, 'bhnd' for {LAYOUTS['bhnd']}, the layout of "
         "torch.nn.functional.scaled_dot_product_attention)",
     )
@@ -83,7 +88,9 @@ def check_layout(layout) -> str:
 
 def check_head_offsets(head_offsets) -> str:
     return _check_choice(
-        head_offsets, "head_offsets", HEAD_OFFSETS,
+        head_offsets,
+        "head_offsets",
+        HEAD_OFFSETS,
         " ('interleaved': head j uses offset j % r, the paper's; 'contiguous': runs of ceil(H / r) heads, "
         "torchscale's)",
     )
@@ -222,8 +229,16 @@ def check_non_negative_int(value, name: str) -> int:
     return check_int(value, name, 0)
 
 
-def check_number(value, name: str, low: float = -math.inf, high: float = math.inf, *, low_open: bool = False,
-                 high_open: bool = False, meaning: str = "") -> float:
+def check_number(
+    value,
+    name: str,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    meaning: str = "",
+) -> float:
     """A finite real number (not a bool) from ``low`` to ``high``, each end included
     unless open, as a float: else a ``TypeError`` (not a number) or a ``ValueError``
     (out of range or not finite); ``meaning`` is added to the message."""
@@ -236,8 +251,9 @@ def check_number(value, name: str, low: float = -math.inf, high: float = math.in
     above_low = number > low if low_open else number >= low
     below_high = number < high if high_open else number <= high
     if not (math.isfinite(number) and above_low and below_high):
-        raise ValueError(f"{name} must be a finite number {_interval(low, high, low_open, high_open)}{meaning}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be a finite number {_interval(low, high, low_open, high_open)}{meaning}, got {value!r}"
+        )
     return number
 
 
@@ -355,8 +371,18 @@ class Attention:
 
 
 def check_attention(
-    q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask, layout="bnhd",
-    head_offsets="interleaved", key_offset=0,
+    q,
+    k,
+    v,
+    segment_lengths,
+    dilation_rates,
+    mode,
+    is_causal,
+    softmax_scale,
+    key_padding_mask,
+    layout="bnhd",
+    head_offsets="interleaved",
+    key_offset=0,
 ) -> Attention:
     """Validate what the library and the reference share; ``q, k, v`` come back as
     ``(B, L, H, D)`` views whatever ``layout`` they arrived in."""

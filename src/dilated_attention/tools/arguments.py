@@ -72,8 +72,11 @@ def number(kind, low: float, inclusive: bool = True, several: bool = False):
         except ValueError:
             hint = ""
             if several:
-                hint = (f" (separate several values with spaces: {text.replace(',', ' ')})" if "," in text
-                        else " (several values are separated by spaces)")
+                hint = (
+                    f" (separate several values with spaces: {text.replace(',', ' ')})"
+                    if "," in text
+                    else " (several values are separated by spaces)"
+                )
             raise argparse.ArgumentTypeError(
                 f"must be {'an int' if kind is int else 'a number'} {bound}, got {text!r}{hint}"
             ) from None

@@ -283,6 +283,7 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
             return kernel.forward(q, k, v, None, cfg.is_causal, scale)[0]
 
         pairs = shape[0] * shape[1] * (rows * (rows + 1) // 2 if cfg.is_causal else rows * rows)
+
         # the kernel's own backward
         def fn_with_grad(q, k, v, grad):
             out, lse = kernel.forward(q, k, v, None, cfg.is_causal, scale)
@@ -307,7 +308,13 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
 
             def fn(q, k, v):
                 return dilated_attention(
-                    q, k, v, cfg.segment_lengths, cfg.dilation_rates, mode=mode, is_causal=cfg.is_causal,
+                    q,
+                    k,
+                    v,
+                    cfg.segment_lengths,
+                    cfg.dilation_rates,
+                    mode=mode,
+                    is_causal=cfg.is_causal,
                     kernel=kernel or None,
                 )
 
@@ -315,8 +322,16 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
     return inputs, fn, fn_with_grad, pairs
 
 
-def flex_mixture(seq_len: int, heads: int, segment_lengths, dilation_rates, is_causal: bool, device,
-                 head_offsets: str = "interleaved", compiled: bool = True):
+def flex_mixture(
+    seq_len: int,
+    heads: int,
+    segment_lengths,
+    dilation_rates,
+    is_causal: bool,
+    device,
+    head_offsets: str = "interleaved",
+    compiled: bool = True,
+):
     """``fn(q, k, v)`` on ``(B, N, H, D)`` tensors: PyTorch's FlexAttention computing the
     ``mixture`` of these branches exactly. The block mask allows the pairs some branch
     attends; the score of a pair gains ``log(m)``, ``m`` the number of branches that
@@ -348,8 +363,9 @@ def flex_mixture(seq_len: int, heads: int, segment_lengths, dilation_rates, is_c
     attend = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
     def fn(q, k, v):
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
-                     block_mask=block_mask)
+        out = attend(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, block_mask=block_mask
+        )
         return out.transpose(1, 2)
 
     return fn
@@ -389,8 +405,13 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def measure(impl: str, seq_len: int, cfg: BenchConfig, predicted_s: float | None,
-            ceilings: tuple[float, float] = (math.inf, math.inf)) -> Row:
+def measure(
+    impl: str,
+    seq_len: int,
+    cfg: BenchConfig,
+    predicted_s: float | None,
+    ceilings: tuple[float, float] = (math.inf, math.inf),
+) -> Row:
     """One row: forward (and forward + backward) time, GFLOP/s, ratio to the matmul
     GFLOP/s measured alongside, peak memory, and the floor the ``ceilings`` (matmul
     GFLOP/s, copy GB/s) put under the time."""
@@ -489,19 +510,27 @@ def _fmt(value, width: int, precision: int) -> str:
 def format_table(result: BenchResult) -> str:
     cfg = result.config
     lines = [
-        (f"device {cfg.device} ({result.machine.get('gpu', result.machine['cpu'])}), "
-        f"{result.machine['threads']} threads, {cfg.dtype}, B={cfg.batch} H={cfg.heads} D={cfg.head_dim}, "
-        f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}"
-        f"{', causal' if cfg.is_causal else ''}"),
-        (f"matmul reference: {result.matmul_gflops:.1f} GFLOP/s ({cfg.matmul_size} x {cfg.matmul_size} product, "
-        f"{cfg.dtype}, at the start); copy: {result.copy_gbps:.1f} GB/s (read + written)"),
+        (
+            f"device {cfg.device} ({result.machine.get('gpu', result.machine['cpu'])}), "
+            f"{result.machine['threads']} threads, {cfg.dtype}, B={cfg.batch} H={cfg.heads} D={cfg.head_dim}, "
+            f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}"
+            f"{', causal' if cfg.is_causal else ''}"
+        ),
+        (
+            f"matmul reference: {result.matmul_gflops:.1f} GFLOP/s ({cfg.matmul_size} x {cfg.matmul_size} product, "
+            f"{cfg.dtype}, at the start); copy: {result.copy_gbps:.1f} GB/s (read + written)"
+        ),
         "floor = max(useful FLOPs / matmul rate, bytes of q, k, v, out (x3 with backward) / copy rate)",
-        ("ratio = useful GFLOP/s / matmul GFLOP/s, median of runs alternating with the matmul; "
-        "mem = peak bytes a call adds (forward: output excluded) / bytes of q, k, v and output"),
+        (
+            "ratio = useful GFLOP/s / matmul GFLOP/s, median of runs alternating with the matmul; "
+            "mem = peak bytes a call adds (forward: output excluded) / bytes of q, k, v and output"
+        ),
         "kernel = the fused kernel alone on one contiguous batch shaped like the first branch's work",
         "",
-        (f"{'impl':13} {'N':>8} {'fwd ms':>9} {'floor':>8} {'tok/s':>9} {'GFLOP/s':>8} {'ratio':>6} "
-        f"{'f+b ms':>9} {'floor':>8} {'GFLOP/s':>8} {'ratio':>6} {'fwd mem':>8} {'f+b mem':>8}"),
+        (
+            f"{'impl':13} {'N':>8} {'fwd ms':>9} {'floor':>8} {'tok/s':>9} {'GFLOP/s':>8} {'ratio':>6} "
+            f"{'f+b ms':>9} {'floor':>8} {'GFLOP/s':>8} {'ratio':>6} {'fwd mem':>8} {'f+b mem':>8}"
+        ),
     ]
     for r in result.rows:
         if r.fwd_ms is None:

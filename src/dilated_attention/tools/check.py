@@ -112,8 +112,9 @@ class CaseResult:
         return max(self.out_error, self.lse_error, self.grad_error) <= self.tolerance
 
 
-def run_case(case: Case, device, dtype, generator: torch.Generator | None = None,
-             kernel: str | None = None) -> CaseResult:
+def run_case(
+    case: Case, device, dtype, generator: torch.Generator | None = None, kernel: str | None = None
+) -> CaseResult:
     """Draw random inputs, run library (``kernel``: see :mod:`dilated_attention.ops.fused`)
     and reference, compare output, LSE and the gradients of ``q, k, v`` for a random
     output gradient."""
@@ -133,9 +134,7 @@ def run_case(case: Case, device, dtype, generator: torch.Generator | None = None
     )
     grads = torch.autograd.grad(out, (q, k, v), grad)
     ref_inputs = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference_dilated_attention(
-        *ref_inputs, case.segment_lengths, case.dilation_rates, **kwargs
-    )
+    ref_out, ref_lse = reference_dilated_attention(*ref_inputs, case.segment_lengths, case.dilation_rates, **kwargs)
     ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad.to(torch.float64))
     return CaseResult(
         case,

@@ -79,8 +79,14 @@ def draw_pattern(
     return summarize_heads(weights, offsets)
 
 
-def attended_cells(order: torch.Tensor, query: int, segment_length: int, dilation_rate: int,
-                   offsets: torch.Tensor, head: int | None = None) -> tuple[torch.Tensor, int | None]:
+def attended_cells(
+    order: torch.Tensor,
+    query: int,
+    segment_length: int,
+    dilation_rate: int,
+    offsets: torch.Tensor,
+    head: int | None = None,
+) -> tuple[torch.Tensor, int | None]:
     """The row-major indices of the patches that the patch ``query`` (a row-major
     index) attends to in a branch ``(w, r)`` whose heads use ``offsets`` (``-1``: not
     in the branch), with the patches laid out in ``order``, and the head: ``head``, or
@@ -102,8 +108,10 @@ def grid_locality_table(height: int, width: int, segment_lengths: Sequence[int],
     segment and the mean bounding box of a segment, as a text table."""
     from ..nn.ordering import grid_order, locality
 
-    lines = [f"{height} x {width} grid: neighbour pairs inside one segment, mean segment bounding box (rows x cols)",
-             f"{'order':<10}" + "".join(f"{f'w={w}':>22}" for w in segment_lengths)]
+    lines = [
+        f"{height} x {width} grid: neighbour pairs inside one segment, mean segment bounding box (rows x cols)",
+        f"{'order':<10}" + "".join(f"{f'w={w}':>22}" for w in segment_lengths),
+    ]
     for kind in orders:
         cells = []
         for w in segment_lengths:
@@ -138,8 +146,7 @@ def draw_grid_pattern(
     offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode, head_offsets)
     columns = len(segment_lengths) + 1
     scale = 2.6 * min(1.0, max(width / height, 0.5))
-    fig, axes = plt.subplots(len(orders), columns, figsize=(scale * columns, 2.6 * len(orders) + 0.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(orders), columns, figsize=(scale * columns, 2.6 * len(orders) + 0.4), squeeze=False)
     index = query[0] * width + query[1]
     for row, kind in enumerate(orders):
         order = grid_order(kind, height, width)
@@ -152,8 +159,10 @@ def draw_grid_pattern(
             label = "no head keeps it" if shown is None else f"head {shown}: {len(cells)} patches"
             _grid_panel(axes[row][branch], image, height, width, query, f"{kind}: w={w}, r={r}\n{label}")
         _grid_panel(axes[row][-1], count, height, width, query, f"{kind}: all branches\n(shade: branches)")
-    title = (f"patch (row {query[0]}, col {query[1]}) of a {height} x {width} grid, {num_heads} heads "
-             f"({mode}, {head_offsets} offsets)")
+    title = (
+        f"patch (row {query[0]}, col {query[1]}) of a {height} x {width} grid, {num_heads} heads "
+        f"({mode}, {head_offsets} offsets)"
+    )
     save(fig, path, title, fontsize=10, caption="Shaded: the patches the query patch (red) attends to.")
     return grid_locality_table(height, width, segment_lengths, orders)
 

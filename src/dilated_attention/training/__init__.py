@@ -11,13 +11,13 @@ from .settings import TrainSettings
 from .trainer import load_model, train
 
 __all__ = [
-           "Corpus",
-           "TrainSettings",
-           "evaluate_run",
-           "load_corpus",
-           "load_model",
-           "read_log",
-           "read_run_config",
-           "tasks",
-           "train",
+    "Corpus",
+    "TrainSettings",
+    "evaluate_run",
+    "load_corpus",
+    "load_model",
+    "read_log",
+    "read_run_config",
+    "tasks",
+    "train",
 ]

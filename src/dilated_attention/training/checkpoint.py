@@ -86,8 +86,10 @@ def load_checkpoint(run_dir: str, name: str = CHECKPOINT) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - whatever a damaged file makes torch.load raise
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise ValueError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {reason}); it is damaged or "
-                         "was not written by dilated-attention train") from None
+        raise ValueError(
+            f"{path} is not a readable checkpoint ({type(exc).__name__}: {reason}); it is damaged or "
+            "was not written by dilated-attention train"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dilated-attention training checkpoint (format {FORMAT} expected)")
     missing = [key for key in KEYS if key not in state]
@@ -106,5 +108,7 @@ def _recovery(run_dir: str, damaged: str) -> str:
     except ValueError:
         return f"The checkpoint before it, {previous}, is damaged too: train a new run."
     back = f"mv {shlex.quote(previous)} {shlex.quote(os.path.join(run_dir, CHECKPOINT))}"
-    return (f"The checkpoint before it, of step {step}, is intact: to go back to it, run `{back}`, then the "
-            f"command again (a resumed run trains the steps after {step} again).")
+    return (
+        f"The checkpoint before it, of step {step}, is intact: to go back to it, run `{back}`, then the "
+        f"command again (a resumed run trains the steps after {step} again)."
+    )

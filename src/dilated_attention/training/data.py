@@ -57,7 +57,7 @@ def _read_utf8(path: str, strict: bool) -> bytes | None:
         if not strict:
             return None
         raise ValueError(
-            f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); train on UTF-8 "
+            f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r}); train on UTF-8 "
             "text files only: convert it (e.g. iconv -t UTF-8) or move it out of the data folder"
         ) from None
     return data
@@ -114,8 +114,15 @@ class Batches:
     The batches depend only on ``seed`` and on how many came before, which
     ``state_dict`` keeps."""
 
-    def __init__(self, data: torch.Tensor, context: int, batch_size: int, seed: int, task: str | None = None,
-                 task_fraction: float = 0.0):
+    def __init__(
+        self,
+        data: torch.Tensor,
+        context: int,
+        batch_size: int,
+        seed: int,
+        task: str | None = None,
+        task_fraction: float = 0.0,
+    ):
         self.data, self.context, self.batch_size = data, context, batch_size
         self.task, self.task_fraction = task, task_fraction
         self.generator = torch.Generator().manual_seed(seed)

@@ -133,5 +133,6 @@ def setup(sequence_parallel: bool, device: str | None) -> Parallel:
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
-    return Parallel(rank=rank, world=world, mode="sequence" if sequence_parallel else "data", device=dev,
-                    owns_group=owns)
+    return Parallel(
+        rank=rank, world=world, mode="sequence" if sequence_parallel else "data", device=dev, owns_group=owns
+    )

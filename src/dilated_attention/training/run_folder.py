@@ -120,8 +120,9 @@ def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
     path = os.path.join(run_dir, CONFIG)
     if not os.path.isfile(path):
         if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= {LOCK}:
-            raise ValueError(f"{run_dir} holds no run: one was stopped before it wrote {CONFIG}; start it anew "
-                             f"with --out {run_dir}")
+            raise ValueError(
+                f"{run_dir} holds no run: one was stopped before it wrote {CONFIG}; start it anew with --out {run_dir}"
+            )
         raise ValueError(f"{run_dir} is not a training run folder: {path} is missing")
     try:
         with open(path, encoding="utf-8") as f:

@@ -56,11 +56,15 @@ class TrainSettings:
             setattr(self, name, validation.check_positive_int(getattr(self, name), name))
         self.warmup_steps = validation.check_non_negative_int(self.warmup_steps, "warmup_steps")
         self.seed = validation.check_int(self.seed, "seed", 0, validation.SEED_LIMIT)
-        self.lr = validation.check_number(self.lr, "lr", 0, 1, low_open=True,
-                                          meaning=" (AdamW moves each weight by about lr per step)")
+        self.lr = validation.check_number(
+            self.lr, "lr", 0, 1, low_open=True, meaning=" (AdamW moves each weight by about lr per step)"
+        )
         self.min_lr_ratio = validation.check_number(self.min_lr_ratio, "min_lr_ratio", 0, 1)
         self.weight_decay = validation.check_number(
-            self.weight_decay, "weight_decay", 0, 1 / self.lr,
+            self.weight_decay,
+            "weight_decay",
+            0,
+            1 / self.lr,
             meaning=" (AdamW multiplies each matrix by 1 - lr * weight_decay per step)",
         )
         self.grad_clip = validation.check_number(self.grad_clip, "grad_clip", 0, low_open=True)

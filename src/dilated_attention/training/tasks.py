@@ -66,8 +66,9 @@ def chance(task: str) -> float:
     return 10.0 ** -(PASSKEY_DIGITS if check_task(task) == "passkey" else RECALL_VALUE)
 
 
-def make_example(task: str, length: int, distance: int, generator: torch.Generator,
-                 filler: torch.Tensor | None = None) -> Example:
+def make_example(
+    task: str, length: int, distance: int, generator: torch.Generator, filler: torch.Tensor | None = None
+) -> Example:
     """One example of ``task``, ``length`` bytes, its fact ``distance`` bytes before
     its answer. ``filler`` (uint8 text, ``passkey`` only; default: spaces and
     newlines at random) fills the rest around the fact."""
@@ -75,8 +76,10 @@ def make_example(task: str, length: int, distance: int, generator: torch.Generat
     if distance < min_distance(task):
         raise ValueError(f"distance must be at least {min_distance(task)} for {task}, got {distance}")
     if length < min_length(task, distance):
-        raise ValueError(f"length must be at least {min_length(task, distance)} for a {task} example at distance "
-                         f"{distance}, got {length}")
+        raise ValueError(
+            f"length must be at least {min_length(task, distance)} for a {task} example at distance "
+            f"{distance}, got {length}"
+        )
     if task == "passkey":
         return _passkey(length, distance, generator, filler)
     return _recall(length, distance, generator)
@@ -104,8 +107,15 @@ def _passkey(length: int, distance: int, generator: torch.Generator, filler: tor
     fact_at = answer_at - distance  # the fact's first digit
     before = fact_at - len(PASSKEY_FACT)
     between = distance - PASSKEY_DIGITS - 1 - len(PASSKEY_QUESTION)  # after the fact's closing quote
-    text = (_text(filler, before, generator) + PASSKEY_FACT + key + b'"' + _text(filler, between, generator)
-            + PASSKEY_QUESTION + key)
+    text = (
+        _text(filler, before, generator)
+        + PASSKEY_FACT
+        + key
+        + b'"'
+        + _text(filler, between, generator)
+        + PASSKEY_QUESTION
+        + key
+    )
     return Example(_bytes(text, length), PASSKEY_DIGITS, distance)
 
 
@@ -151,8 +161,14 @@ def sample_distance(task: str, length: int, generator: torch.Generator) -> int:
     return round(math.exp(math.log(low) + float(torch.rand((), generator=generator)) * math.log(high / low)))
 
 
-def mix_into(inputs: torch.Tensor, targets: torch.Tensor, task: str, fraction: float, generator: torch.Generator,
-             filler: torch.Tensor | None = None) -> None:
+def mix_into(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    task: str,
+    fraction: float,
+    generator: torch.Generator,
+    filler: torch.Tensor | None = None,
+) -> None:
     """Replace about ``fraction`` of the rows of a training batch (``inputs, targets``
     int64 ``(B, N)``, next-byte pairs) by examples of ``task``, in place, each at a
     random distance (:func:`sample_distance`)."""
