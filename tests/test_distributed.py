@@ -393,3 +393,17 @@ def test_torchrun_example_runs_and_checks_itself(tmp_path):
     assert [r["shard"] for r in ranks] == [101, 100, 100]
     assert all(r["out_error"] <= 1e-5 and r["grad_error"] <= 1e-5 for r in ranks)
     assert ranks[0]["forward_received"] == 0 and ranks[0]["forward_sent"] > 0  # causal: rank 0 needs no keys
+
+
+def test_a_communicator_made_before_init_process_group_uses_the_group_it_makes(tmp_path):
+    communicator = Communicator()
+    with pytest.raises(ValueError, match=r"torch\.distributed is not initialized"):
+        communicator.group  # noqa: B018 - the property's refusal is under test
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        assert communicator.group is dist.group.WORLD
+        x = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+        out = dilated_attention(x, x, x, [4], [1], process_group=communicator)
+        assert torch.allclose(out, dilated_attention(x, x, x, [4], [1]))
+    finally:
+        dist.destroy_process_group()

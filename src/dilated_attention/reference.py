@@ -58,12 +58,13 @@ def branch_offsets(
     """Per branch, the offset of each head, or ``-1`` where the branch does not run on
     it: in ``mixture`` ``j % r`` (``interleaved``) or ``j // ceil(H / r)``
     (``contiguous``); in ``head_groups`` ``i % r_i`` on group ``i``."""
-    result = []
+    result: list[torch.Tensor] = []
     if mode == "mixture":
         for r in dilation_rates:
             run = -(-num_heads // r)
-            offsets = [j % r if head_offsets == "interleaved" else j // run for j in range(num_heads)]
-            result.append(torch.tensor(offsets))
+            result.append(
+                torch.tensor([j % r if head_offsets == "interleaved" else j // run for j in range(num_heads)])
+            )
     else:
         for i, ((start, stop), r) in enumerate(
             zip(head_group_bounds(num_heads, len(segment_lengths)), dilation_rates, strict=True)

@@ -16,6 +16,7 @@ a tied LM head starts with logits of unit scale).
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -154,7 +155,7 @@ class LongNetLM(nn.Module):
         ``max_chunk`` tokens a call, for ``torch.compile`` and CUDA graphs)."""
         return LongNetCache(
             [
-                block.attention.new_cache(
+                cast(LongNetBlock, block).attention.new_cache(
                     batch_size, start=start, dtype=dtype, device=device, static=static, max_chunk=max_chunk
                 )
                 for block in self.blocks

@@ -266,14 +266,15 @@ class MultiheadDilatedAttention(nn.Module):
             attention.head_offsets,
             validation.check_scale(attention.softmax_scale, head_dim),
         )
+        # TEMPORARY: cache.configure sets these attributes, which the caches do not declare yet.
         theirs = (
             cache.shape[1],
             cache.shape[2],
-            cache.segment_lengths,
-            cache.dilation_rates,
-            cache.mode,
-            cache.head_offsets,
-            cache.softmax_scale,
+            cache.segment_lengths,  # type: ignore[union-attr]
+            cache.dilation_rates,  # type: ignore[union-attr]
+            cache.mode,  # type: ignore[union-attr]
+            cache.head_offsets,  # type: ignore[union-attr]
+            cache.softmax_scale,  # type: ignore[union-attr]
         )
         if mine != theirs:
             raise ValueError(

@@ -16,6 +16,7 @@ A :class:`Communicator` is the process group as the caller holds it: pass one as
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,9 +46,18 @@ class Communicator:
     run (each call keeps its own record: the backward of an earlier call, say an
     earlier layer, adds to that call's, which the caller may have kept)."""
 
-    def __init__(self, group=None):
-        self.group = dist.group.WORLD if group is None else group
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self._group = group
         self.traffic = Traffic()
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The group given, else the default group, looked up when used: a communicator
+        made before ``init_process_group`` uses the group it makes."""
+        group = dist.group.WORLD if self._group is None else self._group
+        if group is None:
+            raise ValueError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+        return group
 
     def transfer(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor]):
         """Post one message to and from each peer (ranks of the group); the works to wait on."""
@@ -90,7 +100,7 @@ def agree(group, call, dropout_p: float, error: Exception | None) -> tuple[list[
         mine = {"length": call.shape[1], "seed": seed, "settings": _settings(call, dropout_p)}
     else:
         mine = {"error": (type(error).__name__, str(error))}
-    table = [None] * dist.get_world_size(group)
+    table: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(table, mine, group=group)
     for rank, entry in enumerate(table):
         if "error" in entry:
@@ -144,6 +154,7 @@ class Exchange:
         for peer, unions in self.unions_to.items():
             parts = [t[:, rows, head].reshape(-1) for t in (k, v) for head, rows in unions.items()]
             if self.masked:
+                assert padding is not None  # masked: this call has a key padding mask
                 parts.append(padding[:, _all_rows(unions)].to(k.dtype).reshape(-1))
             outgoing[peer] = torch.cat(parts)
         self._incoming = {}
@@ -167,9 +178,9 @@ class Exchange:
             per_head = []
             for _ in range(2):  # keys, then values: head -> (B, rows, D)
                 tensors = {}
-                for head, rows in unions.items():
-                    n = self.batch * len(rows) * self.dim
-                    tensors[head] = buf[at : at + n].view(self.batch, len(rows), self.dim)
+                for head, head_rows in unions.items():
+                    n = self.batch * len(head_rows) * self.dim
+                    tensors[head] = buf[at : at + n].view(self.batch, len(head_rows), self.dim)
                     at += n
                 per_head.append(tensors)
             mask_rows = _all_rows(unions)
@@ -273,8 +284,8 @@ def make_exchange(process_group, call, dropout_p: float, error: Exception | None
         call.head_offsets,
     )
     device = call.q.device
-    seed = None if seed is None else torch.tensor(seed, dtype=torch.int64, device=device)
-    return Exchange(communicator, plan, call.padding is not None, batch, dim, call.q.dtype, device, seed)
+    seed_tensor = None if seed is None else torch.tensor(seed, dtype=torch.int64, device=device)
+    return Exchange(communicator, plan, call.padding is not None, batch, dim, call.q.dtype, device, seed_tensor)
 
 
 def shard_start(process_group, length: int) -> int:

@@ -29,7 +29,7 @@ import torch
 
 from . import fused
 from .dropout import DropoutMask, column_keys, row_keys
-from .kernels import accumulator
+from .kernels import Kernel, accumulator
 from .plan import Block, FusedPlan, Rows, key_heads
 from .validation import TORCH_FUNC_REFUSAL
 
@@ -61,7 +61,7 @@ class EngineConfig:
     scale: float
     dropout_p: float
     out_scale: float
-    kernel: type
+    kernel: type[Kernel] | None
     query_position: int = 0
     key_position: int = 0
     batch_rows: tuple[int, ...] | None = None
@@ -208,7 +208,7 @@ class KeyRows:
         if groups == 1:
             return cls(rows)
         kv, _, index = key_heads(rows.heads.indices(num_heads), groups)
-        if index is None:
+        if kv is not None:
             return cls(replace(rows, heads=slice(*kv)))
         return cls(replace(rows, heads=slice(0, num_heads // groups)), torch.tensor(index))
 
@@ -254,6 +254,7 @@ def _call(cfg: EngineConfig, block: Block, q, bad_q, source: KeySource, seed, gr
         query_flags = block.queries.select(bad_q) if bad_q is not None else None
         key_flags = keys.select(source.bad) if source.bad is not None else None
         if query_flags is None:
+            assert key_flags is not None  # the keys' flags, when the queries have none
             query_flags = key_flags.new_zeros(*key_flags.shape[:2], block.queries.count, block.queries.head_count)
         if key_flags is None:
             kv_head_count = keys.rows.head_count if keys.index is None else len(keys.index)
@@ -286,6 +287,7 @@ def _attend(cfg: EngineConfig, call: _Call):
     and a row with no key is ``0``, ``-inf``."""
     q, k, v = _clean(call.q, call.k, call.v, call.bad)
     bias, empty = _key_mask(call.pad, q.dtype, call.is_causal)
+    assert cfg.kernel is not None  # None only where the fused kernels run the whole call
     o, lse = cfg.kernel.forward(q, k, v, bias, call.is_causal, cfg.scale, call.dropout)
     if call.bad is not None:
         reached = _reached_rows(call.bad, call.pad, call.is_causal)
@@ -311,6 +313,7 @@ def _attend_backward(cfg: EngineConfig, call: _Call, grad, out, lse, lse_grad):
         split = lse_grad.abs().clamp(min=1.0).sqrt()
         q, k, v = (_append_column(t, 0.0) for t in (q, k, v))
         out, grad = _append_column(out, split), _append_column(grad, -lse_grad / split)
+    assert cfg.kernel is not None  # None only where the fused kernels run the whole call
     dq, dk, dv = cfg.kernel.backward(grad, q, k, v, out, lse, bias, call.is_causal, cfg.scale, call.dropout)
     return dq[..., :dim], dk[..., :dim], dv[..., :dim]
 

@@ -42,6 +42,7 @@ Four kernels share this interface:
 from __future__ import annotations
 
 import math
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -60,9 +61,27 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _repeating_key_heads(kernel: type) -> type:
-    """``kernel``, made to take ``k, v`` with fewer heads than ``q``: each key head is
-    repeated for the query heads that share it, and its gradients are summed back."""
+class Kernel(Protocol):
+    """What the engine calls on a kernel: the static methods of its class."""
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype, dropout: bool) -> bool: ...
+
+    @staticmethod
+    def forward(q, k, v, bias, is_causal, scale, dropout=None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @staticmethod
+    def backward(
+        dout, q, k, v, out, lse, bias, is_causal, scale, dropout=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+_K = TypeVar("_K", bound=type[Kernel])
+
+
+def _repeating_key_heads(kernel: _K) -> _K:
+    """``kernel``, made (in place) to take ``k, v`` with fewer heads than ``q``: each key
+    head is repeated for the query heads that share it, and its gradients are summed back."""
     forward, backward = kernel.forward, kernel.backward
 
     def forward_shared(q, k, v, *args, **kwargs):
@@ -78,7 +97,8 @@ def _repeating_key_heads(kernel: type) -> type:
         dq, dk, dv = backward(dout, q, *(t.repeat_interleave(share, dim=1) for t in (k, v)), *args, **kwargs)
         return (dq, *(g.unflatten(1, (-1, share)).sum(2, dtype=accumulator(g.dtype)).to(g.dtype) for g in (dk, dv)))
 
-    kernel.forward, kernel.backward = staticmethod(forward_shared), staticmethod(backward_shared)
+    # The decorator's purpose: the class's static methods are replaced by the wrappers.
+    kernel.forward, kernel.backward = staticmethod(forward_shared), staticmethod(backward_shared)  # type: ignore[method-assign]
     return kernel
 
 
@@ -335,12 +355,12 @@ class CudaFlashKernel:
 
 
 if torch.__version__ < "2.5":  # the CPU flash ops broadcast key heads from PyTorch 2.5 on
-    CpuFlashKernel = _repeating_key_heads(CpuFlashKernel)
+    _repeating_key_heads(CpuFlashKernel)  # in place
 
-KERNELS = (CpuFlashKernel, CudaFlashKernel, CudaEfficientKernel, MathKernel)
+KERNELS: tuple[type[Kernel], ...] = (CpuFlashKernel, CudaFlashKernel, CudaEfficientKernel, MathKernel)
 
 
-def select_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float):
+def select_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float) -> type[Kernel]:
     """The first of :data:`KERNELS` that supports this device, dtype and dropout: the
     fused kernel where one applies, else ``MathKernel`` (dropout, float64 on CUDA,
     other devices)."""

@@ -195,7 +195,9 @@ def _part(first: int, stop: int, segment_start: int, offset: int, rate: int, ori
 
 
 @functools.lru_cache(maxsize=4096)
-def key_heads(heads: tuple[int, int, int], groups: int) -> tuple[tuple[int, int, int], int, tuple[int, ...] | None]:
+def key_heads(
+    heads: tuple[int, int, int], groups: int
+) -> tuple[tuple[int, int, int] | None, int, tuple[int, ...] | None]:
     """Grouped-query attention: the key/value heads of the query heads ``range(*heads)``
     when each ``groups`` consecutive query heads share one key/value head.
 

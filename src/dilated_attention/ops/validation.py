@@ -208,10 +208,11 @@ def check_int(value, name: str, least: int, below: int | None = None) -> int:
     (not an int) or a ``ValueError`` (out of range)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type_name(value)}")
-    if value < least or (below is not None and value >= below):
+    number = int(value)
+    if number < least or (below is not None and number >= below):
         bound = f">= {least}" if below is None else f"in [{least}, {_power_of_two(below)})"
         raise ValueError(f"{name} must be {bound}, got {value}")
-    return int(value)
+    return number
 
 
 def _power_of_two(value: int) -> str:
@@ -247,7 +248,7 @@ def check_number(
     try:
         number = float(value)
     except OverflowError:  # an int beyond float's range
-        number = math.inf if value > 0 else -math.inf
+        number = -math.inf if value < 0 else math.inf
     above_low = number > low if low_open else number >= low
     below_high = number < high if high_open else number <= high
     if not (math.isfinite(number) and above_low and below_high):
@@ -363,7 +364,8 @@ class Attention:
     def shape(self) -> tuple[int, int, int, int]:
         """``(B, Lq, H, D)`` as Python ints. (``operator.index`` also makes
         ``torch.compile`` specialise on them: the plan depends on every size.)"""
-        return tuple(operator.index(size) for size in self.q.shape)
+        batch, length, heads, dim = (operator.index(size) for size in self.q.shape)
+        return batch, length, heads, dim
 
     @property
     def num_keys(self) -> int:

@@ -284,10 +284,11 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
 
         pairs = shape[0] * shape[1] * (rows * (rows + 1) // 2 if cfg.is_causal else rows * rows)
 
-        # the kernel's own backward
-        def fn_with_grad(q, k, v, grad):
+        def kernel_with_grad(q, k, v, grad):  # the kernel's own backward
             out, lse = kernel.forward(q, k, v, None, cfg.is_causal, scale)
             return kernel.backward(grad, q, k, v, out, lse, None, cfg.is_causal, scale)
+
+        fn_with_grad: Callable | None = kernel_with_grad
 
     else:
         shape = (cfg.batch, seq_len, cfg.heads, cfg.head_dim)
@@ -304,7 +305,7 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
         elif impl == "flex":
             fn = flex_mixture(seq_len, cfg.heads, cfg.segment_lengths, cfg.dilation_rates, cfg.is_causal, device)
         else:
-            mode, _, kernel = impl.partition("-")
+            mode, _, kernel_name = impl.partition("-")
 
             def fn(q, k, v):
                 return dilated_attention(
@@ -315,7 +316,7 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
                     cfg.dilation_rates,
                     mode=mode,
                     is_causal=cfg.is_causal,
-                    kernel=kernel or None,
+                    kernel=kernel_name or None,
                 )
 
     inputs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(4)]
@@ -481,7 +482,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     torch.manual_seed(0)
     result = BenchResult(cfg, machine_info(device), matmul_gflops(device, dtype, cfg.matmul_size), copy_gbps(device))
     total = len(cfg.implementations) * len(cfg.seq_lens)
-    last: dict[str, Row] = {}
+    last: dict[str, Row | None] = {}
     for impl in cfg.implementations:
         for seq_len in sorted(cfg.seq_lens):
             if progress:
@@ -570,10 +571,12 @@ def plot(result: BenchResult, path: str) -> None:
         ax_t.plot(n, [r.fwd_ms for r in rows], "o-", label=f"{impl} forward")
         if all(r.fwd_bwd_ms is not None for r in rows):
             ax_t.plot(n, [r.fwd_bwd_ms for r in rows], "s--", label=f"{impl} fwd+bwd")
-        if all(r.fwd_peak_added_bytes is not None for r in rows):
-            ax_m.plot(n, [max(r.fwd_peak_added_bytes, 1) / 2**20 for r in rows], "o-", label=f"{impl} forward")
-        if all(r.fwd_bwd_peak_added_bytes is not None for r in rows):
-            ax_m.plot(n, [max(r.fwd_bwd_peak_added_bytes, 1) / 2**20 for r in rows], "s--", label=f"{impl} fwd+bwd")
+        fwd_peaks = [r.fwd_peak_added_bytes for r in rows if r.fwd_peak_added_bytes is not None]
+        if len(fwd_peaks) == len(rows):
+            ax_m.plot(n, [max(p, 1) / 2**20 for p in fwd_peaks], "o-", label=f"{impl} forward")
+        fwd_bwd_peaks = [r.fwd_bwd_peak_added_bytes for r in rows if r.fwd_bwd_peak_added_bytes is not None]
+        if len(fwd_bwd_peaks) == len(rows):
+            ax_m.plot(n, [max(p, 1) / 2**20 for p in fwd_bwd_peaks], "s--", label=f"{impl} fwd+bwd")
     log_log([(ax_t, "time (ms)"), (ax_m, "peak memory added (MiB)")], "sequence length N")
     cfg = result.config
     save(

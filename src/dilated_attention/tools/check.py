@@ -128,13 +128,24 @@ def run_case(
     mask = None
     if case.masked:
         mask = (torch.rand(case.batch, case.seq_len, generator=generator) < 0.3).to(device)
-    kwargs = dict(mode=case.mode, is_causal=case.is_causal, key_padding_mask=mask)
+    branches = (case.segment_lengths, case.dilation_rates)
     out, lse = dilated_attention(
-        q, k, v, case.segment_lengths, case.dilation_rates, return_lse=True, kernel=kernel, **kwargs
+        q,
+        k,
+        v,
+        *branches,
+        mode=case.mode,
+        is_causal=case.is_causal,
+        key_padding_mask=mask,
+        return_lse=True,
+        kernel=kernel,
     )
     grads = torch.autograd.grad(out, (q, k, v), grad)
     ref_inputs = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference_dilated_attention(*ref_inputs, case.segment_lengths, case.dilation_rates, **kwargs)
+    rq, rk, rv = ref_inputs
+    ref_out, ref_lse = reference_dilated_attention(
+        rq, rk, rv, *branches, mode=case.mode, is_causal=case.is_causal, key_padding_mask=mask
+    )
     ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad.to(torch.float64))
     return CaseResult(
         case,

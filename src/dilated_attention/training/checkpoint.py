@@ -48,7 +48,7 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
     return path
 
 
-def _out_of_space(exc: BaseException) -> bool:
+def _out_of_space(exc: BaseException | None) -> bool:
     """Whether ``exc``, or an error it was raised while handling (``torch.save``
     reports a failed write as a ``RuntimeError``), is a full disk or quota."""
     while exc is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sysconfig
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 
@@ -43,6 +44,10 @@ def _files_under(folder: str, suffix: str = "", skipped=frozenset()) -> list[str
     return found
 
 
+@overload
+def _read_utf8(path: str, strict: Literal[True]) -> bytes: ...
+@overload
+def _read_utf8(path: str, strict: Literal[False]) -> bytes | None: ...
 def _read_utf8(path: str, strict: bool) -> bytes | None:
     try:
         with open(path, "rb") as f:

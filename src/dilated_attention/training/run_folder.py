@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import sys
 
 from ..models import LongNetConfig
 from ..utils.files import TEMPORARY_SUFFIX, atomic_write
@@ -39,7 +40,7 @@ class RunLock:
         try:
             _lock(self._fd)
         except OSError as exc:
-            holder = self._holder()
+            holder = _holder(self._fd)
             self.release()
             if exc.errno not in (errno.EACCES, errno.EAGAIN, errno.EDEADLK):
                 raise ValueError(f"cannot lock the run folder {run_dir} ({exc.strerror})") from None
@@ -50,14 +51,6 @@ class RunLock:
         os.ftruncate(self._fd, 0)
         os.lseek(self._fd, 0, os.SEEK_SET)
         os.write(self._fd, f"{os.getpid()}\n".encode("ascii"))
-
-    def _holder(self) -> str:
-        """The PID the lock file holds, as text (``unknown`` if it cannot be read)."""
-        try:
-            os.lseek(self._fd, 0, os.SEEK_SET)
-            return os.read(self._fd, 32).decode("ascii", "replace").strip() or "unknown"
-        except OSError:  # Windows: the holder's locked byte cannot be read
-            return "unknown"
 
     def release(self) -> None:
         """Give the lock up (closing the file does); a second call does nothing."""
@@ -74,14 +67,23 @@ class RunLock:
 
 def _lock(fd: int) -> None:
     """Lock ``fd`` exclusively without waiting; ``OSError`` if another process holds it."""
-    try:
-        import fcntl
-    except ImportError:  # Windows
+    if sys.platform == "win32":
         import msvcrt
 
         msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-        return
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    else:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _holder(fd: int) -> str:
+    """The PID the lock file ``fd`` holds, as text (``unknown`` if it cannot be read)."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+    except OSError:  # Windows: the holder's locked byte cannot be read
+        return "unknown"
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:

@@ -132,7 +132,8 @@ def _recall(length: int, distance: int, generator: torch.Generator) -> Example:
     def stream(count: int) -> bytes:
         """``count`` bytes of pairs (new ones, or repeats of this stream's earlier
         ones; never the queried key), then spaces to the exact length."""
-        out, seen = [], []
+        out: list[bytes] = []
+        seen: list[int] = []
         for _ in range(count // _PAIR):
             repeat = seen and float(torch.rand((), generator=generator)) < 0.25
             index = seen[int(torch.randint(0, len(seen), (), generator=generator))] if repeat else next(others)
