@@ -33,30 +33,51 @@ def main() -> int:
         for nproc in args.nprocs:
             out = os.path.join(tmp, f"{nproc}.json")
             command = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                EXAMPLE, "--seq-len", str(args.seq_len), "--no-check", "--json", out, *args.extra,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={nproc}",
+                EXAMPLE,
+                "--seq-len",
+                str(args.seq_len),
+                "--no-check",
+                "--json",
+                out,
+                *args.extra,
             ]
             print("+", " ".join(command[1:]), flush=True)
             subprocess.run(command, check=True)
             with open(out) as f:
                 runs.append({"nproc": nproc, **json.load(f)})
     lines = [
-        f"N={args.seq_len}, {runs[0]['args']['dtype']}, {runs[0]['args']['mode']}, "
-        f"w={runs[0]['args']['segment_lengths']} r={runs[0]['args']['dilation_rates']}, "
-        f"H={runs[0]['args']['heads']} D={runs[0]['args']['head_dim']}; per rank (max over ranks):",
-        f"{'P':>2} {'shard':>7} {'q,k,v MiB':>10} {'fwd+bwd peak added MiB':>23} {'fwd sent MiB':>13} "
-        f"{'fwd recv MiB':>13} {'bwd sent MiB':>13} {'bwd recv MiB':>13}",
+        (
+            f"N={args.seq_len}, {runs[0]['args']['dtype']}, {runs[0]['args']['mode']}, "
+            f"w={runs[0]['args']['segment_lengths']} r={runs[0]['args']['dilation_rates']}, "
+            f"H={runs[0]['args']['heads']} D={runs[0]['args']['head_dim']}; per rank (max over ranks):"
+        ),
+        (
+            f"{'P':>2} {'shard':>7} {'q,k,v MiB':>10} {'fwd+bwd peak added MiB':>23} {'fwd sent MiB':>13} "
+            f"{'fwd recv MiB':>13} {'bwd sent MiB':>13} {'bwd recv MiB':>13}"
+        ),
     ]
     for run in runs:
         ranks = run["ranks"]
-
-        def top(key):
-            return max(r[key] for r in ranks) / 2**20
-
+        top = {
+            key: max(r[key] for r in ranks) / 2**20
+            for key in (
+                "input_bytes",
+                "peak_added_bytes",
+                "forward_sent",
+                "forward_received",
+                "backward_sent",
+                "backward_received",
+            )
+        }
         lines.append(
-            f"{run['nproc']:>2} {max(r['shard'] for r in ranks):>7} {top('input_bytes'):>10.1f} "
-            f"{top('peak_added_bytes'):>23.1f} {top('forward_sent'):>13.2f} {top('forward_received'):>13.2f} "
-            f"{top('backward_sent'):>13.2f} {top('backward_received'):>13.2f}"
+            f"{run['nproc']:>2} {max(r['shard'] for r in ranks):>7} {top['input_bytes']:>10.1f} "
+            f"{top['peak_added_bytes']:>23.1f} {top['forward_sent']:>13.2f} {top['forward_received']:>13.2f} "
+            f"{top['backward_sent']:>13.2f} {top['backward_received']:>13.2f}"
         )
     print("\n".join(lines))
     stem = os.path.join(HERE, "results", "distributed-cpu")

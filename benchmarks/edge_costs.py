@@ -20,9 +20,9 @@ import time
 import torch
 
 from dilated_attention import dilated_attention
+from dilated_attention.ops.plan import make_plan
 from dilated_attention.tools.benchmark import PeakMemory, machine_info
 from dilated_attention.utils.files import write_results
-from dilated_attention.ops.plan import make_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADS, HEAD_DIM = 8, 64
@@ -48,8 +48,14 @@ def tiny_segments(seq_len: int, segs, rates) -> dict:
     events = prof.key_averages()
     kernel = sum(e.self_cpu_time_total for e in events if "flash_attention" in e.key)
     total = sum(e.self_cpu_time_total for e in events)
-    return dict(seq_len=seq_len, segment_lengths=segs, dilation_rates=rates, plan_ms=1e3 * plan_s,
-                forward_ms=1e3 * forward_s, kernel_share=kernel / total)
+    return dict(
+        seq_len=seq_len,
+        segment_lengths=segs,
+        dilation_rates=rates,
+        plan_ms=1e3 * plan_s,
+        forward_ms=1e3 * forward_s,
+        kernel_share=kernel / total,
+    )
 
 
 def dropout_cost(seq_len: int, w: int, dropout_p: float) -> dict:
@@ -60,15 +66,24 @@ def dropout_cost(seq_len: int, w: int, dropout_p: float) -> dict:
         out = dilated_attention(q, k, v, [w], [1], dropout_p=dropout_p)
         seconds = time.perf_counter() - start
     added = peak.added - out.numel() * out.element_size()
-    return dict(seq_len=seq_len, w=w, dropout_p=dropout_p, forward_s=seconds, peak_added_mib=added / 2**20,
-                qkv_mib=3 * q.numel() * q.element_size() / 2**20)
+    return dict(
+        seq_len=seq_len,
+        w=w,
+        dropout_p=dropout_p,
+        forward_s=seconds,
+        peak_added_mib=added / 2**20,
+        qkv_mib=3 * q.numel() * q.element_size() / 2**20,
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: 2)")
-    parser.add_argument("--skip-large-dropout", action="store_true",
-                        help="skip the N = 32768 dropout run, about a minute (default: run it)")
+    parser.add_argument(
+        "--skip-large-dropout",
+        action="store_true",
+        help="skip the N = 32768 dropout run, about a minute (default: run it)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -78,19 +93,25 @@ def main() -> int:
         print(text, flush=True)
         lines.append(text)
 
-    say(f"edge costs on cpu ({machine_info(torch.device('cpu'))['cpu']}), {args.threads} threads, "
-        f"float32, B=1 H={HEADS} D={HEAD_DIM}")
+    say(
+        f"edge costs on cpu ({machine_info(torch.device('cpu'))['cpu']}), {args.threads} threads, "
+        f"float32, B=1 H={HEADS} D={HEAD_DIM}"
+    )
     say("\ntiny segments: plan, forward, share of the forward inside the fused attention op")
     tiny = [tiny_segments(102400, [1], [1]), tiny_segments(102400, [1, 2, 4], [1, 1, 2])]
     for row in tiny:
-        say(f"  N={row['seq_len']} w={row['segment_lengths']} r={row['dilation_rates']}: plan "
-            f"{row['plan_ms']:.2f} ms, forward {row['forward_ms']:.0f} ms, fused op {row['kernel_share']:.0%}")
+        say(
+            f"  N={row['seq_len']} w={row['segment_lengths']} r={row['dilation_rates']}: plan "
+            f"{row['plan_ms']:.2f} ms, forward {row['forward_ms']:.0f} ms, fused op {row['kernel_share']:.0%}"
+        )
     say("\ndropout: forward time and peak memory added (q, k, v for scale)")
     runs = [(8192, 8192)] + ([] if args.skip_large_dropout else [(32768, 8192)])
     dropout = [dropout_cost(n, w, p) for n, w in runs for p in (0.0, 0.1)]
     for row in dropout:
-        say(f"  N={row['seq_len']} w={row['w']} dropout_p={row['dropout_p']}: forward {row['forward_s']:.1f} s, "
-            f"added {row['peak_added_mib']:.0f} MiB (q, k, v: {row['qkv_mib']:.0f} MiB)")
+        say(
+            f"  N={row['seq_len']} w={row['w']} dropout_p={row['dropout_p']}: forward {row['forward_s']:.1f} s, "
+            f"added {row['peak_added_mib']:.0f} MiB (q, k, v: {row['qkv_mib']:.0f} MiB)"
+        )
     stem = os.path.join(HERE, "results", "edge-costs-cpu")
     payload = {"machine": machine_info(torch.device("cpu")), "tiny_segments": tiny, "dropout": dropout}
     write_results(stem, payload, "\n".join(lines))

@@ -9,8 +9,9 @@ from dilated_attention.tools.check import max_relative_error
 
 original = kernels._pad_head_dim
 for variant in ("as they come", "output layout"):
-    kernels._pad_head_dim = original if variant == "as they come" else (
-        lambda *ts, output_layout=False: original(*ts, output_layout=True))
+    kernels._pad_head_dim = (
+        original if variant == "as they come" else (lambda *ts, output_layout=False: original(*ts, output_layout=True))
+    )
     worst = 0.0
     for dtype in (torch.bfloat16, torch.float16):
         for dim in (5, 8, 64, 128):
@@ -28,9 +29,9 @@ for variant in ("as they come", "output layout"):
                         ro, rl = kernels.MathKernel.forward(*f[:3], None, causal, dim**-0.5)
                         rg = kernels.MathKernel.backward(f[3], *f[:3], ro, rl, None, causal, dim**-0.5)
                         errors = [max_relative_error(o.float(), ro), max_relative_error(lse, rl)]
-                        errors += [max_relative_error(a.float(), b) for a, b in zip(grads, rg)]
+                        errors += [max_relative_error(a.float(), b) for a, b in zip(grads, rg, strict=True)]
                         worst = max(worst, max(errors))
                         if max(errors) > 3e-2:
-                            print(variant, dtype, dim, heads, kv, causal, rate, ["%.1e" % e for e in errors])
+                            print(variant, dtype, dim, heads, kv, causal, rate, [f"{e:.1e}" for e in errors])
     print(f"{variant}: worst relative error {worst:.2e}")
 kernels._pad_head_dim = original

@@ -29,11 +29,11 @@ import time
 import torch
 from torch.nn import functional as F
 
-from dilated_attention.tools.benchmark import PeakMemory, machine_info
-from dilated_attention.utils.files import write_results
 from dilated_attention.models import LongNetConfig, LongNetLM
-from dilated_attention.utils.plotting import pyplot, save
+from dilated_attention.tools.benchmark import PeakMemory, machine_info
 from dilated_attention.training import TrainSettings, read_log, train
+from dilated_attention.utils.files import write_results
+from dilated_attention.utils.plotting import pyplot, save
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PRESET = "small"
@@ -59,7 +59,7 @@ def step_cost(config: LongNetConfig, context: int, device: torch.device, repeats
 
     step()  # warm-up: the optimizer's state is allocated here
     times, peak = [], None
-    for i in range(repeats):
+    for _ in range(repeats):
         with PeakMemory(device) as memory:
             start = time.perf_counter()
             step()
@@ -84,20 +84,31 @@ def speed(args, device) -> tuple[dict, str]:
             rows.append({"context": context, "attention": name, **cost})
             # Predict the next context's step: quadratic for dense, linear for dilated.
             predicted[name] = cost["seconds"] * (4 if name == "dense" else 1) * 4  # contexts grow 4x
-            print(f"{name:8} {context:6}: {cost['tokens_per_s']:8.0f} tokens/s, {cost['peak_mib']:7.0f} MiB",
-                  flush=True)
-    lines = [f"LongNet '{PRESET}' training step, batch 1, float32, {device.type} ({machine_info(device)['cpu']}, "
-             f"{torch.get_num_threads()} threads)",
-             f"{'context':>8} {'dilated tok/s':>14} {'dense tok/s':>12} {'speed-up':>9} "
-             f"{'dilated MiB':>12} {'dense MiB':>10}"]
+            print(
+                f"{name:8} {context:6}: {cost['tokens_per_s']:8.0f} tokens/s, {cost['peak_mib']:7.0f} MiB", flush=True
+            )
+    lines = [
+        (
+            f"LongNet '{PRESET}' training step, batch 1, float32, {device.type} ({machine_info(device)['cpu']}, "
+            f"{torch.get_num_threads()} threads)"
+        ),
+        (
+            f"{'context':>8} {'dilated tok/s':>14} {'dense tok/s':>12} {'speed-up':>9} "
+            f"{'dilated MiB':>12} {'dense MiB':>10}"
+        ),
+    ]
     for context in args.contexts:
         d, s = (next(r for r in rows if r["context"] == context and r["attention"] == a) for a in ("dilated", "dense"))
         if "seconds" in s:
-            lines.append(f"{context:8} {d['tokens_per_s']:14.0f} {s['tokens_per_s']:12.0f} "
-                         f"{s['seconds'] / d['seconds']:8.1f}x {d['peak_mib']:12.0f} {s['peak_mib']:10.0f}")
+            lines.append(
+                f"{context:8} {d['tokens_per_s']:14.0f} {s['tokens_per_s']:12.0f} "
+                f"{s['seconds'] / d['seconds']:8.1f}x {d['peak_mib']:12.0f} {s['peak_mib']:10.0f}"
+            )
         else:
-            lines.append(f"{context:8} {d['tokens_per_s']:14.0f} {'skipped':>12} {'':>9} {d['peak_mib']:12.0f} "
-                         f"{'':>10}  (dense predicted {s['skipped_predicted_s']:.0f} s/step)")
+            lines.append(
+                f"{context:8} {d['tokens_per_s']:14.0f} {'skipped':>12} {'':>9} {d['peak_mib']:12.0f} "
+                f"{'':>10}  (dense predicted {s['skipped_predicted_s']:.0f} s/step)"
+            )
     return {"rows": rows}, "\n".join(lines)
 
 
@@ -106,33 +117,54 @@ def quality(args, device) -> tuple[dict, str]:
     with tempfile.TemporaryDirectory() as folder:
         for name, config in variants(args.context).items():
             settings = TrainSettings(
-                context=args.context, batch_size=1, steps=10**6, minutes=args.minutes, lr=2e-3, warmup_steps=10,
-                min_lr_ratio=1.0, eval_interval=args.eval_interval[name], eval_windows=2, checkpoint_interval=10**6,
+                context=args.context,
+                batch_size=1,
+                steps=10**6,
+                minutes=args.minutes,
+                lr=2e-3,
+                warmup_steps=10,
+                min_lr_ratio=1.0,
+                eval_interval=args.eval_interval[name],
+                eval_windows=2,
+                checkpoint_interval=10**6,
                 seed=0,
             )
             print(f"training {name} for {args.minutes} min of training time", flush=True)
             run = os.path.join(folder, name)
             train(run, settings, config, device=device.type, progress=True)
-            curves[name] = [{k: r[k] for k in ("step", "elapsed_s", "loss", "bpb", "val_bpb") if k in r}
-                            for r in read_log(run)]
-    lines = [f"LongNet '{PRESET}', context {args.context}, batch 1, {args.minutes} min of training time each, "
-             f"{device.type} ({machine_info(device)['cpu']}, {torch.get_num_threads()} threads)",
-             f"{'attention':>10} {'steps':>6} {'tokens':>10} {'val bits/byte':>14}"]
+            curves[name] = [
+                {k: r[k] for k in ("step", "elapsed_s", "loss", "bpb", "val_bpb") if k in r} for r in read_log(run)
+            ]
+    lines = [
+        (
+            f"LongNet '{PRESET}', context {args.context}, batch 1, {args.minutes} min of training time each, "
+            f"{device.type} ({machine_info(device)['cpu']}, {torch.get_num_threads()} threads)"
+        ),
+        f"{'attention':>10} {'steps':>6} {'tokens':>10} {'val bits/byte':>14}",
+    ]
     for name, records in curves.items():
         evaluated = [r for r in records if "val_bpb" in r]
-        lines.append(f"{name:>10} {records[-1]['step']:6} {records[-1]['step'] * args.context:10} "
-                     f"{evaluated[-1]['val_bpb']:14.3f}")
+        lines.append(
+            f"{name:>10} {records[-1]['step']:6} {records[-1]['step'] * args.context:10} "
+            f"{evaluated[-1]['val_bpb']:14.3f}"
+        )
     return {"curves": curves}, "\n".join(lines)
 
 
 def plot_quality(payload: dict, path: str, title: str) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for (name, records), color in zip(payload["curves"].items(), ("C0", "C3")):
+    for (name, records), color in zip(payload["curves"].items(), ("C0", "C3"), strict=True):
         ax.plot([r["elapsed_s"] for r in records], [r["bpb"] for r in records], color=color, lw=0.6, alpha=0.4)
         evaluated = [r for r in records if "val_bpb" in r]
-        ax.plot([r["elapsed_s"] for r in evaluated], [r["val_bpb"] for r in evaluated], "o-", color=color, ms=3,
-                label=f"{name}: validation")
+        ax.plot(
+            [r["elapsed_s"] for r in evaluated],
+            [r["val_bpb"] for r in evaluated],
+            "o-",
+            color=color,
+            ms=3,
+            label=f"{name}: validation",
+        )
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("bits per byte (thin: training batches)")
     ax.grid(True, alpha=0.3)

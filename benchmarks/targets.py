@@ -62,7 +62,14 @@ def main() -> int:
     for impl, target in (("head_groups", 0.3), ("mixture", 0.6)):
         r = row(memory, impl, 131072)
         if r.fwd_peak_added_bytes is not None:
-            checks.append((f"{impl} forward memory added / (q,k,v,out) at N=131072", r.fwd_peak_added_bytes / r.io_bytes, "<=", target))
+            checks.append(
+                (
+                    f"{impl} forward memory added / (q,k,v,out) at N=131072",
+                    r.fwd_peak_added_bytes / r.io_bytes,
+                    "<=",
+                    target,
+                )
+            )
     if not args.skip_1m:
         for impl in ("mixture", "head_groups"):
             small, big = row(scaling, impl, 16384), row(scaling, impl, 1048576)
@@ -79,8 +86,9 @@ def main() -> int:
 
     stem = os.path.join(HERE, "results", f"targets-{args.device}-float32")
     os.makedirs(os.path.dirname(stem), exist_ok=True)
-    runs = {name: [vars(r) for r in res.rows] for name, res in (("speed", speed), ("memory", memory),
-                                                                 ("scaling", scaling))}
+    runs = {
+        name: [vars(r) for r in res.rows] for name, res in (("speed", speed), ("memory", memory), ("scaling", scaling))
+    }
     write_results(stem, {"machine": speed.machine, "checks": report, "runs": runs}, "\n".join(lines))
     print(f"wrote {stem}.json and {stem}.txt")
     return 0

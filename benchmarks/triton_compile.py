@@ -32,9 +32,22 @@ from dilated_attention.ops import triton_kernels as tk
 
 # Pointer arguments by name: their element type (the input dtype for "{dtype}").
 POINTERS = {
-    "Q": "{dtype}", "K": "{dtype}", "V": "{dtype}", "OUT": "{dtype}", "DQ": "{dtype}", "DO": "{dtype}",
-    "DK": "{dtype}", "DV": "{dtype}", "PAD": "u8", "LSE": "fp32", "DELTA": "fp32", "DLSE": "fp32",
-    "KEY_START": "i64", "SEG": "i64", "RATE": "i64", "OFFSET": "i32",
+    "Q": "{dtype}",
+    "K": "{dtype}",
+    "V": "{dtype}",
+    "OUT": "{dtype}",
+    "DQ": "{dtype}",
+    "DO": "{dtype}",
+    "DK": "{dtype}",
+    "DV": "{dtype}",
+    "PAD": "u8",
+    "LSE": "fp32",
+    "DELTA": "fp32",
+    "DLSE": "fp32",
+    "KEY_START": "i64",
+    "SEG": "i64",
+    "RATE": "i64",
+    "OFFSET": "i32",
 }
 FLOATS = {"scale_log2", "scale", "out_scale"}
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -61,13 +74,25 @@ def variants(head_dims, dtypes, all_configs: bool = False, quick: bool = False):
     flag_sets = [(True, False, False)] if quick else list(itertools.product((False, True), repeat=3))
     for head_dim, dtype, (causal, padding, check) in itertools.product(head_dims, dtypes, flag_sets):
         dim_block = max(16, triton.next_power_of_2(head_dim))
-        flags = dict(DIM_BLOCK=dim_block, DIM_MASK=dim_block != head_dim, CAUSAL=causal, HAS_PADDING=padding,
-                     CHECK_FINITE=check, DOT_FP32=False, PRECISION="ieee" if dtype == "fp32" else "tf32")
-        tag = f"D{head_dim}-{dtype}-{'causal' if causal else 'full'}{'-pad' if padding else ''}{'-check' if check else ''}"
-        passes = [("forward", "forward", tk._forward_kernel, dict(BACKWARD=False)),
-                  ("dq", "dq", tk._forward_kernel, dict(BACKWARD=True)),
-                  ("dkdv", "keys", tk._key_grads_kernel, {}),
-                  ("decode", "decode", tk._forward_kernel, dict(BACKWARD=False))]
+        flags = dict(
+            DIM_BLOCK=dim_block,
+            DIM_MASK=dim_block != head_dim,
+            CAUSAL=causal,
+            HAS_PADDING=padding,
+            CHECK_FINITE=check,
+            DOT_FP32=False,
+            PRECISION="ieee" if dtype == "fp32" else "tf32",
+        )
+        tag = (
+            f"D{head_dim}-{dtype}-{'causal' if causal else 'full'}"
+            f"{'-pad' if padding else ''}{'-check' if check else ''}"
+        )
+        passes = [
+            ("forward", "forward", tk._forward_kernel, dict(BACKWARD=False)),
+            ("dq", "dq", tk._forward_kernel, dict(BACKWARD=True)),
+            ("dkdv", "keys", tk._key_grads_kernel, {}),
+            ("decode", "decode", tk._forward_kernel, dict(BACKWARD=False)),
+        ]
         for name, kind, kernel, extra in passes:
             configs = tk.gpu_configs(kind, dim_block)
             for block_m, block_n, warps, stages in configs if all_configs else configs[:1]:
@@ -87,22 +112,38 @@ def resources(cubin: bytes) -> dict:
         f.flush()
         text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     found = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
-    return {"registers": int(found.get("REG", -1)), "stack_bytes": int(found.get("STACK", 0)),
-            "local_bytes": int(found.get("LOCAL", 0))}
+    return {
+        "registers": int(found.get("REG", -1)),
+        "stack_bytes": int(found.get("STACK", 0)),
+        "local_bytes": int(found.get("LOCAL", 0)),
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--capability", type=int, nargs="+", default=[80, 90],
-                        help="compute capabilities to compile for (default: 80 90)")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128],
-                        help="head dims to compile (default: 64 128)")
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bfloat16"],
-                        help="input dtypes (default: bfloat16)")
-    parser.add_argument("--all-configs", action="store_true",
-                        help="every tile configuration the autotuner tries (default: the first of each pass)")
-    parser.add_argument("--quick", action="store_true",
-                        help="causal calls without padding or non-finite checks only (default: every flag set)")
+    parser.add_argument(
+        "--capability",
+        type=int,
+        nargs="+",
+        default=[80, 90],
+        help="compute capabilities to compile for (default: 80 90)",
+    )
+    parser.add_argument(
+        "--head-dims", type=int, nargs="+", default=[64, 128], help="head dims to compile (default: 64 128)"
+    )
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=sorted(DTYPES), default=["bfloat16"], help="input dtypes (default: bfloat16)"
+    )
+    parser.add_argument(
+        "--all-configs",
+        action="store_true",
+        help="every tile configuration the autotuner tries (default: the first of each pass)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="causal calls without padding or non-finite checks only (default: every flag set)",
+    )
     parser.add_argument("--out", help="JSON file to write the results to (default: none)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -117,11 +158,17 @@ def main(argv=None) -> int:
             try:
                 compiled = triton.compile(
                     ASTSource(kernel, signature(kernel, dtype, constexprs), constexprs=constexprs),
-                    target=GPUTarget("cuda", capability, 32), options={"num_warps": warps, "num_stages": stages},
+                    target=GPUTarget("cuda", capability, 32),
+                    options={"num_warps": warps, "num_stages": stages},
                 )
-                row = {"variant": name, "sm": capability, **resources(compiled.asm["cubin"]),
-                       "shared_bytes": compiled.metadata.shared, "seconds": round(time.perf_counter() - started, 2)}
-            except Exception as exc:  # report every failing variant, then fail
+                row = {
+                    "variant": name,
+                    "sm": capability,
+                    **resources(compiled.asm["cubin"]),
+                    "shared_bytes": compiled.metadata.shared,
+                    "seconds": round(time.perf_counter() - started, 2),
+                }
+            except Exception as exc:  # noqa: BLE001 - report every failing variant, then fail
                 failures += 1
                 row = {"variant": name, "sm": capability, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
             rows.append(row)

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from dilated_attention import dilated_attention
+from dilated_attention.ops.distributed import Communicator
 from dilated_attention.tools.benchmark import PeakMemory
 from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES, max_relative_error
-from dilated_attention.ops.distributed import Communicator
 from dilated_attention.utils.files import atomic_write
 
 
@@ -33,21 +33,45 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=1, help="batch size B (default: 1)")
     parser.add_argument("--heads", type=int, default=8, help="number of heads H (default: 8)")
     parser.add_argument("--head-dim", type=int, default=64, help="size D of each head (default: 64)")
-    parser.add_argument("--segment-lengths", type=int, nargs="+", default=[2048, 4096, 8192],
-                        help="segment length w of each branch (default: 2048 4096 8192)")
-    parser.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4],
-                        help="dilation rate r of each branch (default: 1 2 4)")
-    parser.add_argument("--mode", choices=("mixture", "head_groups"), default="mixture",
-                        help="how the branches share the heads (default: mixture)")
-    parser.add_argument("--causal", action="store_true",
-                        help="queries attend only to keys at or before them (default: off)")
-    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32",
-                        help="dtype of q, k, v (default: float32)")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo",
-                        help="torch.distributed backend; nccl puts each process on its own GPU "
-                        "(default: nccl where CUDA is available, else gloo)")
-    parser.add_argument("--no-check", action="store_true",
-                        help="skip the comparison with one process (default: off, so the check runs)")
+    parser.add_argument(
+        "--segment-lengths",
+        type=int,
+        nargs="+",
+        default=[2048, 4096, 8192],
+        help="segment length w of each branch (default: 2048 4096 8192)",
+    )
+    parser.add_argument(
+        "--dilation-rates",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4],
+        help="dilation rate r of each branch (default: 1 2 4)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("mixture", "head_groups"),
+        default="mixture",
+        help="how the branches share the heads (default: mixture)",
+    )
+    parser.add_argument(
+        "--causal", action="store_true", help="queries attend only to keys at or before them (default: off)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float64", "bfloat16", "float16"),
+        default="float32",
+        help="dtype of q, k, v (default: float32)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="nccl" if torch.cuda.is_available() else "gloo",
+        help="torch.distributed backend; nccl puts each process on its own GPU "
+        "(default: nccl where CUDA is available, else gloo)",
+    )
+    parser.add_argument(
+        "--no-check", action="store_true", help="skip the comparison with one process (default: off, so the check runs)"
+    )
     parser.add_argument("--json", help="rank 0 writes every rank's figures to this file (default: none)")
     return parser.parse_args()
 
@@ -122,8 +146,12 @@ def main():
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
     figures = dict(
-        rank=rank, shard=lengths[rank], ms=1e3 * seconds, peak_added_bytes=peak.added,
-        input_bytes=3 * q.numel() * q.element_size(), **vars(communicator.traffic),
+        rank=rank,
+        shard=lengths[rank],
+        ms=1e3 * seconds,
+        peak_added_bytes=peak.added,
+        input_bytes=3 * q.numel() * q.element_size(),
+        **vars(communicator.traffic),
     )
     if not args.no_check:
         ref_inputs = [t.to(device).requires_grad_() for t in full[:3]]
@@ -141,8 +169,11 @@ def main():
             f"{', causal' if args.causal else ''}, w={args.segment_lengths} r={args.dilation_rates}, "
             f"B={args.batch} H={args.heads} D={args.head_dim}"
         )
-        print(f"{'rank':>4} {'shard':>7} {'fwd+bwd ms':>11} {'inputs MiB':>10} {'peak+ MiB':>10} "
-              f"{'fwd sent B':>10} {'fwd recv B':>10} {'bwd sent B':>10} {'bwd recv B':>10} {'out err':>9} {'grad err':>9}")
+        print(
+            f"{'rank':>4} {'shard':>7} {'fwd+bwd ms':>11} {'inputs MiB':>10} {'peak+ MiB':>10} "
+            f"{'fwd sent B':>10} {'fwd recv B':>10} {'bwd sent B':>10} {'bwd recv B':>10} "
+            f"{'out err':>9} {'grad err':>9}"
+        )
         for f in table:
             print(
                 f"{f['rank']:>4} {f['shard']:>7} {f['ms']:>11.1f} {f['input_bytes'] / 2**20:>10.1f} "

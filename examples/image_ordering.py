@@ -37,8 +37,9 @@ def images(batch: int, generator: torch.Generator):
     """Noisy patches ``(batch, SIDE * SIDE)`` in {0, 1} and each patch's tile colour."""
     tiles = torch.randint(0, 2, (batch, SIDE // TILE + 1, SIDE // TILE + 1), generator=generator)
     shift = torch.randint(0, TILE, (2,), generator=generator).tolist()
-    colour = tiles.repeat_interleave(TILE, 1).repeat_interleave(TILE, 2)[:, shift[0] : shift[0] + SIDE,
-                                                                         shift[1] : shift[1] + SIDE]
+    colour = tiles.repeat_interleave(TILE, 1).repeat_interleave(TILE, 2)[
+        :, shift[0] : shift[0] + SIDE, shift[1] : shift[1] + SIDE
+    ]
     noise = (torch.rand(batch, SIDE, SIDE, generator=generator) < NOISE).long()
     return (colour ^ noise).flatten(1), colour.flatten(1)
 
@@ -60,7 +61,10 @@ class TinyViT(nn.Module):
     def __init__(self, order: str):
         super().__init__()
         self.patch = nn.Embedding(2, DIM)
-        self.row, self.col = nn.Parameter(torch.randn(SIDE, 1, DIM) * 0.1), nn.Parameter(torch.randn(1, SIDE, DIM) * 0.1)
+        self.row, self.col = (
+            nn.Parameter(torch.randn(SIDE, 1, DIM) * 0.1),
+            nn.Parameter(torch.randn(1, SIDE, DIM) * 0.1),
+        )
         self.blocks = nn.Sequential(Block(order), Block(order))
         self.head = nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 2))
 
@@ -85,8 +89,11 @@ def train_and_test(order: str, steps: int) -> tuple[float, float]:
         optimizer.step()
         optimizer.zero_grad()
         if step % every == 0 or step == steps:
-            print(f"{order}: step {step}/{steps}, loss {loss.item():.3f}, {time.perf_counter() - start:.0f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{order}: step {step}/{steps}, loss {loss.item():.3f}, {time.perf_counter() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     seconds = time.perf_counter() - start
     with torch.no_grad():
         patches, colours = images(64, torch.Generator().manual_seed(2))
@@ -97,8 +104,9 @@ def train_and_test(order: str, steps: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000, help="training steps per order (default: 1000)")
-    parser.add_argument("--orders", nargs="+", choices=ORDERS, default=list(ORDERS),
-                        help="patch orders to compare (default: all)")
+    parser.add_argument(
+        "--orders", nargs="+", choices=ORDERS, default=list(ORDERS), help="patch orders to compare (default: all)"
+    )
     args = parser.parse_args()
     print(f"{'order':<10} {'test accuracy':>14} {'train s':>8}", flush=True)
     for order in args.orders:

@@ -3,7 +3,12 @@ comparison with the float64 reference. Runs on the CPU in a few seconds."""
 
 import torch
 
-from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention, reference_dilated_attention
+from dilated_attention import (
+    DilatedAttention,
+    MultiheadDilatedAttention,
+    dilated_attention,
+    reference_dilated_attention,
+)
 
 torch.manual_seed(0)
 segment_lengths, dilation_rates = [256, 512, 1024], [1, 2, 4]

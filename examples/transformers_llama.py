@@ -22,8 +22,15 @@ args = parser.parse_args()
 torch.manual_seed(0)
 
 register("dilated", segment_lengths=[64, 128, 256], dilation_rates=[1, 2, 4])
-config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+config = LlamaConfig(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
 model = LlamaForCausalLM(config)
 model.set_attn_implementation("dilated")  # the one line: every layer now runs dilated attention
 
@@ -49,6 +56,14 @@ prompt = torch.tensor([list(b"def ")])
 # cache= and warns about the old name).
 warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
 with torch.no_grad():
-    out = model.generate(prompt, max_new_tokens=300, do_sample=True, top_p=0.95, temperature=0.8,
-                         pad_token_id=0, attention_mask=torch.ones_like(prompt), past_key_values=DilatedCache(model))
+    out = model.generate(
+        prompt,
+        max_new_tokens=300,
+        do_sample=True,
+        top_p=0.95,
+        temperature=0.8,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(prompt),
+        past_key_values=DilatedCache(model),
+    )
 print(bytes(out[0].tolist()).decode("utf-8", errors="replace"))

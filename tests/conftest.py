@@ -4,8 +4,8 @@ import os
 # when it is imported: before anything (transformers, torch.compile) imports it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+import torch
+from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "default",

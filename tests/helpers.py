@@ -9,7 +9,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dilated_attention.functional as functional
 from dilated_attention.ops.plan import HEAD_OFFSETS, MODES, window_start_needed
 
-
 MEMORY_LAYOUTS = ("contiguous", "head_dim_strided", "sliced", "expanded")
 
 
@@ -29,8 +28,9 @@ def with_memory_layout(x: torch.Tensor, memory: str) -> torch.Tensor:
     return wide[:, ::2]
 
 
-def random_inputs(seed, batch, seq_len, heads, head_dim, dtype=torch.float64, masked=False, memory="contiguous",
-                  kv_heads=None):
+def random_inputs(
+    seed, batch, seq_len, heads, head_dim, dtype=torch.float64, masked=False, memory="contiguous", kv_heads=None
+):
     """Fresh standard-normal ``q, k, v`` (requiring grad), output and LSE gradients and
     an optional padding mask (about a third of the keys padded), from ``seed``;
     ``memory`` picks the inputs' memory layout (see :func:`with_memory_layout`;
@@ -39,8 +39,9 @@ def random_inputs(seed, batch, seq_len, heads, head_dim, dtype=torch.float64, ma
     gen = torch.Generator().manual_seed(seed)
     shape = (batch, seq_len, heads, head_dim)
     kv_shape = (batch, seq_len, kv_heads or heads, head_dim)
-    q, k, v, grad = (torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)
-                     for s in (shape, kv_shape, kv_shape, shape))
+    q, k, v, grad = (
+        torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in (shape, kv_shape, kv_shape, shape)
+    )
     grad_lse = torch.randn(shape[:3], generator=gen, dtype=torch.float64)
     mask = (torch.rand(batch, seq_len, generator=gen) < 0.35) if masked else None
     if memory == "expanded":

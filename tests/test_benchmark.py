@@ -7,15 +7,15 @@ import re
 
 import pytest
 import torch
-from helpers import configs
 from hypothesis import given
 
 import dilated_attention.tools.benchmark as benchmark
 from dilated_attention import dilated_attention
+from dilated_attention.reference import branch_offsets, branch_pattern
 from dilated_attention.tools.benchmark import PeakMemory, attended_pairs
 from dilated_attention.tools.cli import main
 from dilated_attention.utils.files import atomic_write, fresh_folder
-from dilated_attention.reference import branch_offsets, branch_pattern
+from helpers import configs
 
 
 @given(configs(max_len=40))
@@ -24,7 +24,7 @@ def test_attended_pairs_counts_the_reference_patterns(cfg):
     segs, rates, mode, causal = cfg["segment_lengths"], cfg["dilation_rates"], cfg["mode"], cfg["is_causal"]
     expected = sum(
         int(branch_pattern(n, w, r, offs, causal).sum())
-        for w, r, offs in zip(segs, rates, branch_offsets(h, segs, rates, mode))
+        for w, r, offs in zip(segs, rates, branch_offsets(h, segs, rates, mode), strict=True)
     )
     assert attended_pairs(cfg["batch"], n, h, segs, rates, mode, causal) == cfg["batch"] * expected
 
@@ -66,18 +66,36 @@ def test_peak_memory_restores_glibc_defaults_on_exit(monkeypatch):
     libc = FakeGlibc()
     monkeypatch.setattr(benchmark, "_glibc", lambda: libc)
     m_mmap_threshold, m_trim_threshold, kib = -3, -1, 1024  # glibc's malloc.h
-    with pytest.raises(RuntimeError, match="inside"):
-        with PeakMemory(torch.device("cpu")):
-            assert libc.calls == [
-                ("mallopt", m_mmap_threshold, 256 * kib), ("mallopt", m_trim_threshold, 256 * kib), ("malloc_trim", 0)
-            ]
-            raise RuntimeError("inside the block")
+    with pytest.raises(RuntimeError, match="inside"), PeakMemory(torch.device("cpu")):  # noqa: PT012 - the body is under test
+        assert libc.calls == [
+            ("mallopt", m_mmap_threshold, 256 * kib),
+            ("mallopt", m_trim_threshold, 256 * kib),
+            ("malloc_trim", 0),
+        ]
+        raise RuntimeError("inside the block")
     assert libc.calls[3:] == [("mallopt", m_mmap_threshold, 128 * kib), ("mallopt", m_trim_threshold, 128 * kib)]
 
 
 TINY_BENCH = [
-    "bench", "--seq-lens", "64", "--impl", "mixture", "--segment-lengths", "16", "--dilation-rates", "1",
-    "--heads", "1", "--head-dim", "8", "--repeats", "1", "--matmul-size", "64", "--no-backward", "--quiet",
+    "bench",
+    "--seq-lens",
+    "64",
+    "--impl",
+    "mixture",
+    "--segment-lengths",
+    "16",
+    "--dilation-rates",
+    "1",
+    "--heads",
+    "1",
+    "--head-dim",
+    "8",
+    "--repeats",
+    "1",
+    "--matmul-size",
+    "64",
+    "--no-backward",
+    "--quiet",
 ]
 
 
@@ -97,7 +115,7 @@ def test_bench_replaces_its_files_atomically(tmp_path):
         other_name.write_text("old")
         os.link(other_name, path)  # writing into the file in place would change other_name too
         old[path] = other_name
-    assert main(TINY_BENCH + ["--out-dir", str(tmp_path), "--name", "smoke"]) == 0
+    assert main([*TINY_BENCH, "--out-dir", str(tmp_path), "--name", "smoke"]) == 0
     for path, other_name in old.items():
         assert other_name.read_text() == "old" and path.read_bytes() != b"old"
     assert len(os.listdir(tmp_path)) == 6  # no temporary file left
@@ -106,17 +124,18 @@ def test_bench_replaces_its_files_atomically(tmp_path):
 def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "out.txt"
     path.write_text("old")
-    with pytest.raises(RuntimeError, match="half"):
-        with atomic_write(str(path)) as f:
-            f.write("new, but only ")
-            raise RuntimeError("half written")
+    with pytest.raises(RuntimeError, match="half"), atomic_write(str(path)) as f:  # noqa: PT012 - the body is under test
+        f.write("new, but only ")
+        raise RuntimeError("half written")
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.txt"]
     with atomic_write(str(path), binary=True) as f:
         f.write(b"new")
     assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["out.txt"]
-    with pytest.raises(FileNotFoundError, match="the folder .*missing does not exist"):
-        with atomic_write(str(tmp_path / "missing" / "out.txt")):
-            pass
+    with (
+        pytest.raises(FileNotFoundError, match=r"the folder .*missing does not exist"),
+        atomic_write(str(tmp_path / "missing" / "out.txt")),
+    ):
+        pass
 
 
 def test_fresh_folder_never_reuses_a_folder(tmp_path):
@@ -129,9 +148,29 @@ def test_fresh_folder_never_reuses_a_folder(tmp_path):
 
 def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     args = [
-        "bench", "--seq-lens", "64", "96", "--segment-lengths", "16", "32", "--dilation-rates", "1", "2",
-        "--heads", "2", "--head-dim", "8", "--repeats", "1", "--matmul-size", "128", "--quiet",
-        "--out-dir", str(tmp_path), "--name", "smoke",
+        "bench",
+        "--seq-lens",
+        "64",
+        "96",
+        "--segment-lengths",
+        "16",
+        "32",
+        "--dilation-rates",
+        "1",
+        "2",
+        "--heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--repeats",
+        "1",
+        "--matmul-size",
+        "128",
+        "--quiet",
+        "--out-dir",
+        str(tmp_path),
+        "--name",
+        "smoke",
     ]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -153,10 +192,32 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
 
 def test_bench_skips_what_would_take_too_long(tmp_path, capsys):
     args = [
-        "bench", "--seq-lens", "64", "4096", "--impl", "dense", "--segment-lengths", "16",
-        "--dilation-rates", "1", "--heads", "1", "--head-dim", "8", "--repeats", "1",
-        "--matmul-size", "128", "--max-seconds", "0.000001", "--no-backward", "--no-memory",
-        "--no-plot", "--quiet", "--out-dir", str(tmp_path),
+        "bench",
+        "--seq-lens",
+        "64",
+        "4096",
+        "--impl",
+        "dense",
+        "--segment-lengths",
+        "16",
+        "--dilation-rates",
+        "1",
+        "--heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--repeats",
+        "1",
+        "--matmul-size",
+        "128",
+        "--max-seconds",
+        "0.000001",
+        "--no-backward",
+        "--no-memory",
+        "--no-plot",
+        "--quiet",
+        "--out-dir",
+        str(tmp_path),
     ]
     assert main(args) == 0
     assert "skipped: predicted" in capsys.readouterr().out
@@ -173,9 +234,31 @@ def test_bench_progress_is_a_bar_only_on_a_terminal(terminal, tmp_path, capsys, 
     redrawn with carriage returns."""
     stream = Terminal() if terminal else io.StringIO()
     monkeypatch.setattr("sys.stderr", stream)
-    args = ["bench", "--seq-lens", "64", "96", "--impl", "dense", "--segment-lengths", "16", "--dilation-rates", "1",
-            "--heads", "1", "--head-dim", "8", "--repeats", "1", "--matmul-size", "128", "--no-backward",
-            "--no-memory", "--no-plot", "--out-dir", str(tmp_path)]
+    args = [
+        "bench",
+        "--seq-lens",
+        "64",
+        "96",
+        "--impl",
+        "dense",
+        "--segment-lengths",
+        "16",
+        "--dilation-rates",
+        "1",
+        "--heads",
+        "1",
+        "--head-dim",
+        "8",
+        "--repeats",
+        "1",
+        "--matmul-size",
+        "128",
+        "--no-backward",
+        "--no-memory",
+        "--no-plot",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     progress = stream.getvalue()
     if terminal:
@@ -188,17 +271,41 @@ def test_bench_progress_is_a_bar_only_on_a_terminal(terminal, tmp_path, capsys, 
 def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):
     from dilated_attention.tools.cli import main
 
-    args = ["decode-bench", "--positions", "64", "256", "--segment-lengths", "8", "32", "--dilation-rates", "1", "2",
-            "--heads", "2", "--head-dim", "4", "--steps", "40", "--dense-steps", "3", "--out-dir", str(tmp_path)]
+    args = [
+        "decode-bench",
+        "--positions",
+        "64",
+        "256",
+        "--segment-lengths",
+        "8",
+        "32",
+        "--dilation-rates",
+        "1",
+        "2",
+        "--heads",
+        "2",
+        "--head-dim",
+        "4",
+        "--steps",
+        "40",
+        "--dense-steps",
+        "3",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     rows = json.loads((tmp_path / "decode-cpu-float32.json").read_text())["rows"]
     assert [(r["impl"], r["batch"], r["position"]) for r in rows] == [
-        (impl, batch, position) for position in (64, 256) for batch in ("1", "8 equal", "8 padded")
+        (impl, batch, position)
+        for position in (64, 256)
+        for batch in ("1", "8 equal", "8 padded")
         for impl in ("dilated", "dense")
     ]
     assert all(r["ms_per_token"] > 0 for r in rows)
-    assert {r["note"] for r in rows if r["impl"] == "dense"} == {"SDPA (CPU flash)",
-                                                                  "SDPA (CPU flash), boolean key mask"}
+    assert {r["note"] for r in rows if r["impl"] == "dense"} == {
+        "SDPA (CPU flash)",
+        "SDPA (CPU flash), boolean key mask",
+    }
     dilated = [r["cache_bytes"] for r in rows if r["impl"] == "dilated" and r["batch"] == "1"]
     dense = [r["cache_bytes"] for r in rows if r["impl"] == "dense" and r["batch"] == "1"]
     assert dilated[0] == dilated[1] and dense[1] > 2 * dense[0]  # bounded, against growing
@@ -226,8 +333,8 @@ def test_flexattention_peer_computes_the_same_mixture(is_causal):
 
 def test_bench_names_the_kernels_and_the_floor_of_each_row(tmp_path):
     args = [arg if arg != "mixture" else "dense" for arg in TINY_BENCH]
-    args[args.index("dense") + 1:args.index("dense") + 1] = ["mixture", "mixture-torch"]
-    assert main(args + ["--out-dir", str(tmp_path), "--name", "kernels", "--no-plot"]) == 0
+    args[args.index("dense") + 1 : args.index("dense") + 1] = ["mixture", "mixture-torch"]
+    assert main([*args, "--out-dir", str(tmp_path), "--name", "kernels", "--no-plot"]) == 0
     result = json.loads((tmp_path / "kernels.json").read_text())
     assert result["copy_gbps"] > 0
     rows = {row["impl"]: row for row in result["rows"]}

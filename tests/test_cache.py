@@ -5,12 +5,12 @@ import re
 
 import pytest
 import torch
-from helpers import configs, random_inputs, split_config
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, reference_dilated_attention
 from dilated_attention.tools.check import TOLERANCES, max_relative_error
+from helpers import configs, random_inputs, split_config
 
 
 @st.composite
@@ -25,8 +25,9 @@ def chunkings(draw, total: int):
 def make_cache(cfg, tensors, **kwargs):
     batch, _, heads, dim = tensors[0].shape
     attn = dict(mode=cfg["mode"], head_offsets=cfg["head_offsets"], softmax_scale=cfg["softmax_scale"])
-    return DilatedKVCache(batch, heads, dim, cfg["segment_lengths"], cfg["dilation_rates"],
-                          dtype=tensors[0].dtype, **attn, **kwargs)
+    return DilatedKVCache(
+        batch, heads, dim, cfg["segment_lengths"], cfg["dilation_rates"], dtype=tensors[0].dtype, **attn, **kwargs
+    )
 
 
 def feed(cache, tensors, sizes):
@@ -131,13 +132,13 @@ def test_gradients_reach_the_queries_and_the_new_keys():
     window = [t.detach().requires_grad_() for t in (q, k, v)]
     ref, _ = reference_dilated_attention(*window, segs, rates, is_causal=True)
     ref_grads = torch.autograd.grad(ref[:, 7:].square().sum(), window)
-    for grad, ref_grad in zip(grads, ref_grads):
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
         assert max_relative_error(grad[:, 7:], ref_grad[:, 7:]) <= 1e-12  # earlier rows: detached in the cache
         assert torch.all(grad[:, :7] == 0)
 
 
 @pytest.mark.parametrize(
-    "call,fragment",
+    ("call", "fragment"),
     [
         (lambda c: c.attend(*[torch.randn(2, 1, 2, 3)] * 3), "the cache holds 1 sequence, but q has a batch of 2"),
         (lambda c: c.attend(*[torch.randn(1, 1, 3, 3)] * 3), "q must have shape (batch=1, L >= 1, heads=2"),
@@ -196,12 +197,12 @@ def test_inference_mode_then_normal_use_and_canonical_devices():
 
 
 @pytest.mark.parametrize(
-    "start,fragment",
+    ("start", "fragment"),
     [
         (2**64, "start must be at most 2**62 (positions are int64), got 18446744073709551616"),
         (2**62 + 8, "start must be at most 2**62"),
-        (-2**62 - 1, "start must be >= -2**62 (positions are int64)"),
-        (torch.tensor([0, -2**63]), "start must be >= -2**62 (positions are int64), got -9223372036854775808"),
+        (-(2**62) - 1, "start must be >= -2**62 (positions are int64)"),
+        (torch.tensor([0, -(2**63)]), "start must be >= -2**62 (positions are int64), got -9223372036854775808"),
     ],
 )
 def test_starts_are_bounded_like_key_offsets(start, fragment):
@@ -210,10 +211,10 @@ def test_starts_are_bounded_like_key_offsets(start, fragment):
     cache = DilatedKVCache(2, 2, 3, [4, 8], [1, 2])
     with pytest.raises(ValueError, match=re.escape(fragment)):
         cache.reset(start)
-    cache = DilatedKVCache(2, 2, 3, [4, 8], [1, 2], start=torch.tensor([-2**62, 2**62]))  # the bounds themselves
+    cache = DilatedKVCache(2, 2, 3, [4, 8], [1, 2], start=torch.tensor([-(2**62), 2**62]))  # the bounds themselves
     x = torch.randn(2, 3, 2, 3, generator=torch.Generator().manual_seed(0))
     out = cache.attend(x, x, x)
-    assert cache.position.tolist() == [-2**62 + 3, 2**62 + 3]
+    assert cache.position.tolist() == [-(2**62) + 3, 2**62 + 3]
     assert torch.all(out[0] == 0) and torch.isfinite(out[1]).all()
 
 
@@ -243,8 +244,8 @@ def test_a_call_that_fails_leaves_the_cache_as_it_was(chunk, poison, monkeypatch
     """Bad input is refused before the cache changes; should the attention itself
     raise after the keys were appended, the append is undone: a retry gives exactly
     the output of a cache that never failed."""
-    import dilated_attention.ops.decode as decode
     import dilated_attention.functional as functional
+    import dilated_attention.ops.decode as decode
 
     segs, rates = [4, 8], [1, 2]
     gen = torch.Generator().manual_seed(chunk)
@@ -262,6 +263,7 @@ def test_a_call_that_fails_leaves_the_cache_as_it_was(chunk, poison, monkeypatch
     with pytest.raises(ValueError, match="like the cache"):
         cache.attend(*then[:2], then[2].float())
     assert _same_state(cache, state)
+
     def failing(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
@@ -283,8 +285,10 @@ def test_a_batch_of_another_size_names_the_caches():
     from dilated_attention.nn.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(5)
-    fix = "feed the next positions of every sequence in each call, or first keep only those to continue with " \
-          "cache.reorder(indices)"
+    fix = (
+        "feed the next positions of every sequence in each call, or first keep only those to continue with "
+        "cache.reorder(indices)"
+    )
     cache = DilatedKVCache(3, 2, 4, [4, 8], [1, 2])
     x = torch.randn(2, 1, 2, 4, generator=gen)
     with pytest.raises(ValueError, match=re.escape("the cache holds 3 sequences, but q has a batch of 2: " + fix)):
@@ -292,8 +296,9 @@ def test_a_batch_of_another_size_names_the_caches():
     mha = MultiheadDilatedAttention(8, 2, [4, 8], [1, 2], rotary=RotaryEmbedding(4)).eval()
     with pytest.raises(ValueError, match=re.escape("the cache holds 3 sequences, but query has a batch of 2")):
         mha(torch.randn(2, 5, 8, generator=gen), is_causal=True, cache=mha.new_cache(3))
-    model = LongNetLM(LongNetConfig(vocab_size=11, dim=8, depth=1, heads=2, ffn_dim=16, segment_lengths=(4, 8),
-                                    dilation_rates=(1, 2))).eval()
+    model = LongNetLM(
+        LongNetConfig(vocab_size=11, dim=8, depth=1, heads=2, ffn_dim=16, segment_lengths=(4, 8), dilation_rates=(1, 2))
+    ).eval()
     cache = model.new_cache(1)
     with pytest.raises(ValueError, match=re.escape("the cache holds 1 sequence, but tokens has a batch of 3")):
         model(torch.randint(0, 11, (3, 4), generator=gen), cache=cache)

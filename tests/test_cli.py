@@ -7,12 +7,12 @@ import sys
 
 import pytest
 import torch
-from helpers import option_help
 
 import dilated_attention
 import dilated_attention.tools.check as check
 import dilated_attention.tools.pattern as pattern
 from dilated_attention.tools.cli import main
+from helpers import option_help
 
 
 def test_check_passes_and_prints_a_table(capsys):
@@ -38,7 +38,7 @@ def test_check_refuses_missing_cuda(capsys):
 def test_pattern_writes_a_png(tmp_path, capsys):
     path = tmp_path / "new folder" / "pattern.png"  # created if missing
     args = ["pattern", "--segment-lengths", "8", "16", "--dilation-rates", "1", "2"]
-    assert main(args + ["--length", "32", "--heads", "4", "--causal", "--out", str(path)]) == 0
+    assert main([*args, "--length", "32", "--heads", "4", "--causal", "--out", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines[:4]] == ["head 0", "head 1", "head 2", "head 3"]
@@ -49,15 +49,18 @@ def test_pattern_writes_a_png(tmp_path, capsys):
 def test_pattern_on_a_grid_draws_each_order_and_prints_the_locality(tmp_path, capsys):
     path = tmp_path / "grid.png"
     args = ["pattern", "--grid", "16", "16", "--segment-lengths", "16", "64", "--dilation-rates", "1", "2"]
-    assert main(args + ["--order", "row_major", "hilbert", "--query", "3", "9", "--out", str(path)]) == 0
+    assert main([*args, "--order", "row_major", "hilbert", "--query", "3", "9", "--out", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("16 x 16 grid: neighbour pairs inside one segment")
     assert [line.split()[0] for line in lines[2:4]] == ["row_major", "hilbert"]
     assert lines[2].split()[1:5] == ["50.0%", "1.0", "x", "16.0"]  # a segment of 16 is one row
     assert lines[3].split()[1:5] == ["80.0%", "4.0", "x", "4.0"]  # 4 x 4 squares: 24 of 30 pairs each
-    for bad, message in ((["--query", "16", "0"], "--query 16 0 must be a patch"), (["--causal"], "without --causal"),
-                         (["--head", "2"], "--head 2 must be below --heads 2")):
+    for bad, message in (
+        (["--query", "16", "0"], "--query 16 0 must be a patch"),
+        (["--causal"], "without --causal"),
+        (["--head", "2"], "--head 2 must be below --heads 2"),
+    ):
         assert main(args + bad + ["--out", str(path)]) == 2
         assert message in capsys.readouterr().err
     assert main(["pattern", "--segment-lengths", "4", "--dilation-rates", "1"]) == 2
@@ -88,21 +91,23 @@ def test_pattern_replaces_its_png_atomically(tmp_path):
     other_name.write_bytes(b"old")
     os.link(other_name, path)  # writing into the file in place would change other_name too
     args = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "8", "--heads", "1"]
-    assert main(args + ["--out", str(path)]) == 0
+    assert main([*args, "--out", str(path)]) == 0
     assert path.read_bytes()[:4] == b"\x89PNG" and other_name.read_bytes() == b"old"
     assert sorted(os.listdir(tmp_path)) == ["other-name.png", "pattern.png"]
 
 
 def test_pattern_rejects_bad_configuration(tmp_path, capsys):
     args = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "2", "--length", "8", "--heads", "2"]
-    assert main(args + ["--out", str(tmp_path / "p.png")]) == 2
+    assert main([*args, "--out", str(tmp_path / "p.png")]) == 2
     assert "same length" in capsys.readouterr().err
 
 
 def test_module_entry_point_runs():
     result = subprocess.run(
         [sys.executable, "-m", "dilated_attention", "check", "--dtype", "float64"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "all passed" in result.stdout
@@ -119,7 +124,7 @@ def test_version_names_the_package_and_torch(capsys):
 def _help(argv, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
     with pytest.raises(SystemExit) as exit_info:
-        main(argv + ["--help"])
+        main([*argv, "--help"])
     assert exit_info.value.code == 0
     return capsys.readouterr().out
 
@@ -147,13 +152,15 @@ def test_every_option_says_what_it_does_and_its_default(command, capsys, monkeyp
 
 
 @pytest.mark.parametrize(
-    "argv,fragment",
+    ("argv", "fragment"),
     [
         (["bench", "--heads", "0"], "argument --heads: must be >= 1, got 0"),
         (["bench", "--seq-lens", "4096", "0"], "argument --seq-lens: must be >= 1, got 0"),
         (["bench", "--max-seconds", "-1"], "argument --max-seconds: must be a number > 0"),
-        (["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "-5", "--heads", "2"],
-         "argument --length: must be >= 1, got -5"),
+        (
+            ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "-5", "--heads", "2"],
+            "argument --length: must be >= 1, got -5",
+        ),
     ],
 )
 def test_out_of_range_numbers_are_usage_errors(argv, fragment, capsys):
@@ -164,12 +171,16 @@ def test_out_of_range_numbers_are_usage_errors(argv, fragment, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv,fragment",
+    ("argv", "fragment"),
     [
-        (["bench", "--segment-lengths", "8,16"],
-         "argument --segment-lengths: must be an int >= 1, got '8,16' (separate several values with spaces: 8 16)"),
-        (["decode-bench", "--positions", "4k"],
-         "argument --positions: must be an int >= 1, got '4k' (several values are separated by spaces)"),
+        (
+            ["bench", "--segment-lengths", "8,16"],
+            "argument --segment-lengths: must be an int >= 1, got '8,16' (separate several values with spaces: 8 16)",
+        ),
+        (
+            ["decode-bench", "--positions", "4k"],
+            "argument --positions: must be an int >= 1, got '4k' (several values are separated by spaces)",
+        ),
         (["bench", "--heads", "two"], "argument --heads: must be an int >= 1, got 'two'"),
         (["bench", "--max-seconds", "soon"], "argument --max-seconds: must be a number > 0, got 'soon'"),
     ],
@@ -183,14 +194,21 @@ def test_unreadable_numbers_say_what_is_expected(argv, fragment, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv,fragment",
+    ("argv", "fragment"),
     [
         (["--verison"], "error: unrecognized option --verison: did you mean --version?"),
         (["--verison", "check"], "error: unrecognized option --verison: did you mean --version?"),
-        (["bnech", "--heads", "2"], "error: unknown command 'bnech': did you mean bench? (commands: check, pattern, "
-                                    "bench, decode-bench, train, generate, evaluate)"),
-        (["pattern", "--segmnet-lengths", "8", "--dilation-rates", "1"],
-         "error: unrecognized option --segmnet-lengths: did you mean --segment-lengths?"),
+        (
+            ["bnech", "--heads", "2"],
+            (
+                "error: unknown command 'bnech': did you mean bench? (commands: check, pattern, "
+                "bench, decode-bench, train, generate, evaluate)"
+            ),
+        ),
+        (
+            ["pattern", "--segmnet-lengths", "8", "--dilation-rates", "1"],
+            "error: unrecognized option --segmnet-lengths: did you mean --segment-lengths?",
+        ),
         (["bench", "--sed-lens=64"], "error: unrecognized option --sed-lens: did you mean --seq-lens?"),
     ],
 )
@@ -206,8 +224,10 @@ def test_unknown_options_and_commands_come_first_with_the_closest_name(argv, fra
 
 def test_abbreviations_negative_numbers_and_values_are_not_unknown_options(tmp_path, capsys):
     path = tmp_path / "p.png"
-    assert main(["pattern", "--segment-l", "8", "--dilation-rates=1", "--length", "8", "--heads", "1",
-                 "--out", str(path)]) == 0
+    assert (
+        main(["pattern", "--segment-l", "8", "--dilation-rates=1", "--length", "8", "--heads", "1", "--out", str(path)])
+        == 0
+    )
     with pytest.raises(SystemExit):
         main(["pattern", "--grid", "4", "4", "--segment-lengths", "4", "--dilation-rates", "1", "--query", "-1", "0"])
     assert "argument --query: must be >= 0, got -1" in capsys.readouterr().err
@@ -215,6 +235,6 @@ def test_abbreviations_negative_numbers_and_values_are_not_unknown_options(tmp_p
 
 def test_pattern_refuses_a_picture_too_large_to_draw(tmp_path, capsys):
     args = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "100000", "--heads", "2"]
-    assert main(args + ["--out", str(tmp_path / "p.png")]) == 2
+    assert main([*args, "--out", str(tmp_path / "p.png")]) == 2
     assert "too large to draw" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()

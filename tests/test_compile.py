@@ -3,10 +3,10 @@ and give the eager numbers."""
 
 import pytest
 import torch
-from helpers import random_inputs
 
 from dilated_attention import MultiheadDilatedAttention, dilated_attention
 from dilated_attention.tools.check import max_relative_error
+from helpers import random_inputs
 
 SEGS, RATES = [8, 16], [1, 2]
 

@@ -6,12 +6,12 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import configs, random_inputs, split_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
+from helpers import configs, random_inputs, split_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -26,8 +26,7 @@ def test_cuda_matches_the_reference(cfg, dtype):
     inputs, attn = split_config(cfg)
     (q, k, v), (grad, grad_lse), mask = random_inputs(**inputs)
     cuda = [t.detach().to("cuda", dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = dilated_attention(*cuda, key_padding_mask=None if mask is None else mask.cuda(), return_lse=True,
-                                 **attn)
+    out, lse = dilated_attention(*cuda, key_padding_mask=None if mask is None else mask.cuda(), return_lse=True, **attn)
     grads = torch.autograd.grad((out, lse), cuda, (grad.to("cuda", dtype), grad_lse.to("cuda", lse.dtype)))
     ref_out, ref_lse = reference_dilated_attention(q, k, v, key_padding_mask=mask, **attn)
     ref_grads = torch.autograd.grad((ref_out, ref_lse), (q, k, v), (grad, grad_lse))
@@ -43,8 +42,15 @@ def test_cuda_key_window_rows_equal_the_whole_sequence(dtype):
     (q, k, v), _, mask = random_inputs(5, 2, 61, 4, 16, masked=True, kv_heads=2)
     whole, _ = reference_dilated_attention(q, k, v, [8, 16, 32], [1, 2, 4], is_causal=True, key_padding_mask=mask)
     window = [t.detach()[:, 32:].to("cuda", dtype) for t in (k, v)]
-    out = dilated_attention(q.detach()[:, 50:].to("cuda", dtype), *window, [8, 16, 32], [1, 2, 4], is_causal=True,
-                            key_padding_mask=mask[:, 32:].cuda(), key_offset=32)
+    out = dilated_attention(
+        q.detach()[:, 50:].to("cuda", dtype),
+        *window,
+        [8, 16, 32],
+        [1, 2, 4],
+        is_causal=True,
+        key_padding_mask=mask[:, 32:].cuda(),
+        key_offset=32,
+    )
     assert max_relative_error(out.cpu(), whole[:, 50:]) <= TOLERANCES[dtype]
 
 
@@ -56,8 +62,9 @@ def test_cuda_dropout_gradient_is_exact():
 
     def fn(q, k, v):
         torch.manual_seed(1234)
-        out, lse = dilated_attention(q, k, v, [4, 6, 16], [1, 2, 3], is_causal=True, dropout_p=0.3,
-                                     key_padding_mask=mask.cuda(), return_lse=True)
+        out, lse = dilated_attention(
+            q, k, v, [4, 6, 16], [1, 2, 3], is_causal=True, dropout_p=0.3, key_padding_mask=mask.cuda(), return_lse=True
+        )
         return out, lse.masked_fill(torch.isneginf(lse), 0.0)
 
     assert torch.autograd.gradcheck(fn, (q, k, v))
@@ -100,8 +107,14 @@ LOW = [torch.bfloat16, torch.float16]
 
 def _cuda_against_reference(q, k, v, grad, grad_lse, mask, dtype, attn, kernel="triton", key_offset=0):
     cuda = [t.detach().to("cuda", dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = dilated_attention(*cuda, key_padding_mask=None if mask is None else mask.cuda(), return_lse=True,
-                                 kernel=kernel, key_offset=key_offset, **attn)
+    out, lse = dilated_attention(
+        *cuda,
+        key_padding_mask=None if mask is None else mask.cuda(),
+        return_lse=True,
+        kernel=kernel,
+        key_offset=key_offset,
+        **attn,
+    )
     grads = torch.autograd.grad((out, lse), cuda, (grad.to("cuda", dtype), grad_lse.to("cuda", lse.dtype)))
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference_dilated_attention(*ref, key_padding_mask=mask, key_offset=key_offset, **attn)
@@ -115,7 +128,7 @@ def _cuda_against_reference(q, k, v, grad, grad_lse, mask, dtype, attn, kernel="
 
 @needs_triton
 @settings(max_examples=30, deadline=None)
-@given(configs(max_len=200, max_heads=6, grouped_query=True), st.sampled_from(LOW + [torch.float32]))
+@given(configs(max_len=200, max_heads=6, grouped_query=True), st.sampled_from([*LOW, torch.float32]))
 def test_triton_cuda_matches_the_reference(cfg, dtype):
     cfg = dict(cfg, softmax_scale=None if cfg["softmax_scale"] == -1.3 else cfg["softmax_scale"])
     inputs, attn = split_config(cfg)
@@ -141,8 +154,17 @@ def test_triton_cuda_windows_and_non_finite_values():
     k, q = k.detach().clone(), q.detach().clone()
     k[0, 290, 1, 5], q[1, 299, 3, 0] = float("nan"), float("inf")
     attn = dict(segment_lengths=[64, 128], dilation_rates=[1, 2], is_causal=True)
-    _cuda_against_reference(q[:, 200:], k[:, 128:], v[:, 128:], grad[:, 200:], grad_lse[:, 200:], mask[:, 128:],
-                            torch.float16, attn, key_offset=torch.tensor([128, 384]))
+    _cuda_against_reference(
+        q[:, 200:],
+        k[:, 128:],
+        v[:, 128:],
+        grad[:, 200:],
+        grad_lse[:, 200:],
+        mask[:, 128:],
+        torch.float16,
+        attn,
+        key_offset=torch.tensor([128, 384]),
+    )
 
 
 @needs_triton
@@ -167,8 +189,9 @@ def test_a_static_cache_step_replays_from_a_cuda_graph():
     from dilated_attention import StaticKVCache
 
     def make():
-        return StaticKVCache(2, 4, 64, [16, 32, 64], [1, 2, 4], start=torch.tensor([0, -5]), dtype=torch.bfloat16,
-                             device="cuda")
+        return StaticKVCache(
+            2, 4, 64, [16, 32, 64], [1, 2, 4], start=torch.tensor([0, -5]), dtype=torch.bfloat16, device="cuda"
+        )
 
     gen = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(2, 40, 4, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
@@ -185,7 +208,7 @@ def test_a_static_cache_step_replays_from_a_cuda_graph():
     with torch.cuda.graph(graph):
         out = cache.attend(*inputs)
     for i in range(40):
-        for buffer, source in zip(inputs, (q, k, v)):
+        for buffer, source in zip(inputs, (q, k, v), strict=True):
             buffer.copy_(source[:, i : i + 1])
         graph.replay()
         assert torch.equal(out, eager.attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]))

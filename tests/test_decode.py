@@ -6,18 +6,24 @@ import math
 
 import pytest
 import torch
-from helpers import configs, random_inputs, split_config, windows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dilated_attention.ops import decode
 from dilated_attention import reference_dilated_attention
+from dilated_attention.ops import decode
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
+from helpers import configs, random_inputs, split_config, windows
 
 
 def tables_of(attn, heads):
-    return decode.decode_tables(heads, tuple(attn["segment_lengths"]), tuple(attn["dilation_rates"]), attn["mode"],
-                                attn["head_offsets"], torch.device("cpu"))
+    return decode.decode_tables(
+        heads,
+        tuple(attn["segment_lengths"]),
+        tuple(attn["dilation_rates"]),
+        attn["mode"],
+        attn["head_offsets"],
+        torch.device("cpu"),
+    )
 
 
 def step_case(case, data, max_rows):
@@ -76,18 +82,22 @@ def test_padding_and_rows_at_negative_positions():
     attn = dict(segment_lengths=[4, 8], dilation_rates=[2, 4], mode="mixture", head_offsets="interleaved")
     tables = tables_of(attn, 4)
     ref, ref_lse = reference_dilated_attention(q, k, v, is_causal=True, key_padding_mask=mask, **attn)
-    out, lse = decode.window_attention(q[:, 16:], k[:, 8:].transpose(1, 2), v[:, 8:].transpose(1, 2), [8, 8], tables,
-                                       8**-0.5, padding=mask[:, 8:])
+    out, lse = decode.window_attention(
+        q[:, 16:], k[:, 8:].transpose(1, 2), v[:, 8:].transpose(1, 2), [8, 8], tables, 8**-0.5, padding=mask[:, 8:]
+    )
     assert max_relative_error(out, ref[:, 16:]) <= 1e-10 and lse_error(lse, ref_lse[:, 16:]) <= 1e-10
     assert torch.isneginf(lse).any()  # rate 2 and 4 without a rate-1 branch: some heads see nothing
-    out, lse = decode.window_attention(q[:, 19:], k[:, 3:].transpose(1, 2), v[:, 3:].transpose(1, 2), [-20, 3],
-                                       tables, 8**-0.5)
+    out, lse = decode.window_attention(
+        q[:, 19:], k[:, 3:].transpose(1, 2), v[:, 3:].transpose(1, 2), [-20, 3], tables, 8**-0.5
+    )
     assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))  # row 0's query is at position -4
-    assert max_relative_error(out[1:], reference_dilated_attention(
-        q[1:], k[1:], v[1:], is_causal=True, **attn)[0][:, 19:]) <= 1e-10
+    assert (
+        max_relative_error(out[1:], reference_dilated_attention(q[1:], k[1:], v[1:], is_causal=True, **attn)[0][:, 19:])
+        <= 1e-10
+    )
 
 
-@pytest.mark.parametrize("cost, expected", [(-(10**12), "branch_attention"), (10**12, "window_attention")])
+@pytest.mark.parametrize(("cost", "expected"), [(-(10**12), "branch_attention"), (10**12, "window_attention")])
 def test_the_step_takes_the_cheaper_way(cost, expected, monkeypatch):
     (q, k, v), _, _ = random_inputs(4, 1, 63, 4, 8)
     q, k, v = (t.detach() for t in (q, k, v))
@@ -113,10 +123,18 @@ def test_left_padded_decoding_either_way_is_the_definition(cost, cfg, data):
     inputs, attn = split_config(cfg)
     tensors = [t.detach() for t in random_inputs(**inputs)[0]]
     pads = [data.draw(st.integers(0, cfg["seq_len"] - 1)) for _ in range(cfg["batch"])]
-    cache = DilatedKVCache(cfg["batch"], cfg["heads"], cfg["head_dim"], attn["segment_lengths"],
-                           attn["dilation_rates"], mode=attn["mode"], head_offsets=attn["head_offsets"],
-                           softmax_scale=attn["softmax_scale"], start=torch.tensor([-p for p in pads]),
-                           dtype=torch.float64)
+    cache = DilatedKVCache(
+        cfg["batch"],
+        cfg["heads"],
+        cfg["head_dim"],
+        attn["segment_lengths"],
+        attn["dilation_rates"],
+        mode=attn["mode"],
+        head_offsets=attn["head_offsets"],
+        softmax_scale=attn["softmax_scale"],
+        start=torch.tensor([-p for p in pads]),
+        dtype=torch.float64,
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode, "BRANCH_CALLS_COST", cost)
         out = torch.cat([cache.attend(*(t[:, i : i + 1] for t in tensors)) for i in range(cfg["seq_len"])], 1)
@@ -142,8 +160,9 @@ def test_rows_at_any_positions_share_branch_and_window_calls(cfg, data):
     window = decode.window_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), starts, tables, scale)
     branch = decode.branch_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), last, tables, scale)
     for row, start in enumerate(starts):
-        ref, ref_lse = reference_dilated_attention(q[row : row + 1, -1:], k[row : row + 1], v[row : row + 1],
-                                                   key_offset=start, **attn)
+        ref, ref_lse = reference_dilated_attention(
+            q[row : row + 1, -1:], k[row : row + 1], v[row : row + 1], key_offset=start, **attn
+        )
         for out, lse in [window] + ([branch] if branch is not None else []):
             assert max_relative_error(out[row : row + 1], ref) <= 1e-10
             assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10

@@ -18,19 +18,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import with_memory_layout
-
 from dilated_attention import dilated_attention
-from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES, lse_error, max_relative_error
 from dilated_attention.ops.distributed import Communicator
 from dilated_attention.reference import branch_offsets, branch_pattern
+from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES, lse_error, max_relative_error
+from helpers import with_memory_layout
 
 TIMEOUT_S = 300
 
 
 def shard_bounds(lengths):
     starts = [sum(lengths[:k]) for k in range(len(lengths))]
-    return [(s, s + n) for s, n in zip(starts, lengths)]
+    return [(s, s + n) for s, n in zip(starts, lengths, strict=True)]
 
 
 def minimum_bytes(case, lengths, sender, receiver, itemsize):
@@ -42,7 +41,7 @@ def minimum_bytes(case, lengths, sender, receiver, itemsize):
     (s0, s1), (r0, r1) = shard_bounds(lengths)[sender], shard_bounds(lengths)[receiver]
     needed = torch.zeros(h, s1 - s0, dtype=torch.bool)  # (head, key) cells, over all branches
     segs, rates = case["segment_lengths"], case["dilation_rates"]
-    for w, r, offs in zip(segs, rates, branch_offsets(h, segs, rates, case["mode"])):
+    for w, r, offs in zip(segs, rates, branch_offsets(h, segs, rates, case["mode"]), strict=True):
         needed |= branch_pattern(n, w, r, offs, case["is_causal"])[:, r0:r1, s0:s1].any(dim=1)
     mask_rows = int(needed.any(dim=0).sum()) if case["masked"] else 0
     return case["batch"] * itemsize * (2 * int(needed.sum()) * case["head_dim"] + mask_rows)
@@ -63,7 +62,9 @@ def run_case(case, rank, world, group):
     kwargs = dict(mode=case["mode"], is_causal=case["is_causal"], dropout_p=case.get("dropout_p", 0.0), return_lse=True)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(case["seed"])  # the same dropout seed on every rank and in the one-process run
-    out, lse = dilated_attention(*full, case["segment_lengths"], case["dilation_rates"], key_padding_mask=mask, **kwargs)
+    out, lse = dilated_attention(
+        *full, case["segment_lengths"], case["dilation_rates"], key_padding_mask=mask, **kwargs
+    )
     full_grads = torch.autograd.grad((out, lse), full, (grad, grad_lse.to(lse.dtype)))
 
     lo, hi = shard_bounds(case["lengths"])[rank]
@@ -73,8 +74,12 @@ def run_case(case, rank, world, group):
     torch.manual_seed(case["seed"])
     communicator = Communicator(group)
     dout, dlse = dilated_attention(
-        *local, case["segment_lengths"], case["dilation_rates"], key_padding_mask=local_mask,
-        process_group=communicator, **kwargs,
+        *local,
+        case["segment_lengths"],
+        case["dilation_rates"],
+        key_padding_mask=local_mask,
+        process_group=communicator,
+        **kwargs,
     )
     grads = torch.autograd.grad((dout, dlse), local, (grad[:, lo:hi], grad_lse[:, lo:hi].to(dlse.dtype)))
     errors = {
@@ -90,8 +95,10 @@ def run_case(case, rank, world, group):
     grads_sent = sum(minimum_bytes(unmasked, case["lengths"], b, rank, itemsize) for b in range(world) if b != rank)
     grads_received = sum(minimum_bytes(unmasked, case["lengths"], rank, b, itemsize) for b in range(world) if b != rank)
     errors["traffic"] = moved != {
-        "forward_sent": sent, "forward_received": received,
-        "backward_sent": grads_sent, "backward_received": grads_received,
+        "forward_sent": sent,
+        "forward_received": received,
+        "backward_sent": grads_sent,
+        "backward_received": grads_received,
     }
     return errors, moved
 
@@ -124,8 +131,9 @@ def run_grid_module(rank, world, group):
     from dilated_attention.nn.ordering import apply, grid_order, shard
 
     torch.manual_seed(0)
-    grid_attention = GridAttention(MultiheadDilatedAttention(12, 3, [8, 16], [1, 2], dtype=torch.float64),
-                                   "hilbert", extra_tokens=1)
+    grid_attention = GridAttention(
+        MultiheadDilatedAttention(12, 3, [8, 16], [1, 2], dtype=torch.float64), "hilbert", extra_tokens=1
+    )
     x = torch.randn(2, 1 + 6 * 5, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     whole, _ = grid_attention(x, grid=(6, 5))
     order = grid_order("hilbert", 6, 5)
@@ -168,8 +176,9 @@ def worker(rank, world, init_file, cases, result_dir, scenario):
         elif scenario == "head_offsets":
             x = torch.randn(1, 8, 4, 2, dtype=torch.float64)
             try:
-                dilated_attention(x, x, x, [8], [2], head_offsets=("interleaved", "contiguous")[rank],
-                                  process_group=dist.group.WORLD)
+                dilated_attention(
+                    x, x, x, [8], [2], head_offsets=("interleaved", "contiguous")[rank], process_group=dist.group.WORLD
+                )
                 report["error"] = None
             except ValueError as exc:
                 report["error"] = str(exc)
@@ -180,8 +189,15 @@ def worker(rank, world, init_file, cases, result_dir, scenario):
             mask = torch.zeros(1, 8, dtype=torch.bool if rank == 0 or scenario == "mismatch" else torch.int64)
             start = time.monotonic()
             try:
-                dilated_attention(x, x, x, [4 + 4 * rank if scenario == "mismatch" else 4], [1],
-                                  key_padding_mask=mask, process_group=dist.group.WORLD)
+                dilated_attention(
+                    x,
+                    x,
+                    x,
+                    [4 + 4 * rank if scenario == "mismatch" else 4],
+                    [1],
+                    key_padding_mask=mask,
+                    process_group=dist.group.WORLD,
+                )
                 report["error"] = None
             except (ValueError, TypeError) as exc:
                 report["error"] = f"{type(exc).__name__}: {exc}"
@@ -212,8 +228,11 @@ def worker(rank, world, init_file, cases, result_dir, scenario):
 def launch(world, tmp_path, cases=(), scenario="cases"):
     """Start ``world`` gloo processes; fail (never hang) if they take too long."""
     ctx = mp.start_processes(
-        worker, args=(world, str(tmp_path / "init"), list(cases), str(tmp_path), scenario),
-        nprocs=world, join=False, start_method="spawn",
+        worker,
+        args=(world, str(tmp_path / "init"), list(cases), str(tmp_path), scenario),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
     )
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -243,38 +262,50 @@ def make_cases(world, count, seed):
         branches = rng.randint(1, 3)
         mode = rng.choice(["mixture", "head_groups"])
         huge = index % 5 == 4  # a last branch with w and r beyond any tensor index
-        cases.append(dict(
-            lengths=lengths,
-            segment_lengths=[rng.randint(1, 2 * sum(lengths)) for _ in range(branches - huge)] + [2**64] * huge,
-            dilation_rates=[rng.randint(1, 4) for _ in range(branches - huge)] + [2**63] * huge,
-            mode=mode,
-            is_causal=rng.random() < 0.5,
-            masked=rng.random() < 0.3,
-            batch=rng.randint(1, 2),
-            heads=rng.randint(branches if mode == "head_groups" else 1, 4),
-            head_dim=rng.choice([2, 4]),
-            seed=rng.randrange(2**31),
-            dtype="float32" if index % 4 == 3 else "float64",
-            dropout_p=0.3 if index % 3 == 1 else 0.0,
-            nonfinite=rng.choice([0, 0, 1, 3]),
-            memory="head_dim_strided" if index % 4 == 2 else "contiguous",
-        ))
+        cases.append(
+            dict(
+                lengths=lengths,
+                segment_lengths=[rng.randint(1, 2 * sum(lengths)) for _ in range(branches - huge)] + [2**64] * huge,
+                dilation_rates=[rng.randint(1, 4) for _ in range(branches - huge)] + [2**63] * huge,
+                mode=mode,
+                is_causal=rng.random() < 0.5,
+                masked=rng.random() < 0.3,
+                batch=rng.randint(1, 2),
+                heads=rng.randint(branches if mode == "head_groups" else 1, 4),
+                head_dim=rng.choice([2, 4]),
+                seed=rng.randrange(2**31),
+                dtype="float32" if index % 4 == 3 else "float64",
+                dropout_p=0.3 if index % 3 == 1 else 0.0,
+                nonfinite=rng.choice([0, 0, 1, 3]),
+                memory="head_dim_strided" if index % 4 == 2 else "contiguous",
+            )
+        )
     return cases
 
 
 def aligned_case(world):
     """Every segment inside one shard: no attention data may cross processes."""
-    return dict(lengths=[8] * world, segment_lengths=[4, 8], dilation_rates=[1, 2], mode="mixture",
-                is_causal=False, masked=False, batch=1, heads=2, head_dim=4, seed=7)
+    return dict(
+        lengths=[8] * world,
+        segment_lengths=[4, 8],
+        dilation_rates=[1, 2],
+        mode="mixture",
+        is_causal=False,
+        masked=False,
+        batch=1,
+        heads=2,
+        head_dim=4,
+        seed=7,
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_every_world_size_matches_one_process(world, tmp_path):
-    cases = [aligned_case(world)] + make_cases(world, 12 if world < 8 else 6, seed=world)
+    cases = [aligned_case(world), *make_cases(world, 12 if world < 8 else 6, seed=world)]
     reports = launch(world, tmp_path, cases)
     assert sorted(reports) == list(range(world))
     for rank, report in reports.items():
-        for case, (errors, moved) in zip(cases, report["cases"]):
+        for case, (errors, moved) in zip(cases, report["cases"], strict=True):
             tolerance = ONE_PROCESS_TOLERANCES[getattr(torch, case.get("dtype", "float64"))]
             assert errors["out"] <= tolerance, (rank, case, errors)
             assert errors["lse"] <= tolerance, (rank, case, errors)
@@ -289,8 +320,9 @@ def test_every_world_size_matches_one_process(world, tmp_path):
 def test_ranks_with_different_configurations_fail_loudly(tmp_path):
     reports = launch(2, tmp_path, scenario="mismatch")
     for rank in (0, 1):
-        assert "ValueError: process_group ranks disagree on segment_lengths (per rank: [[4], [8]])" in (
-            reports[rank]["error"]
+        assert (
+            "ValueError: process_group ranks disagree on segment_lengths (per rank: [[4], [8]])"
+            in (reports[rank]["error"])
         )
 
 
@@ -329,13 +361,49 @@ def test_torchrun_example_runs_and_checks_itself(tmp_path):
 
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "distributed.py")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", example,
-         "--seq-len", "301", "--segment-lengths", "32", "64", "--dilation-rates", "1", "2", "--heads", "4",
-         "--head-dim", "8", "--causal", "--json", str(tmp_path / "run.json")],
-        capture_output=True, text=True, timeout=TIMEOUT_S,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=3",
+            example,
+            "--seq-len",
+            "301",
+            "--segment-lengths",
+            "32",
+            "64",
+            "--dilation-rates",
+            "1",
+            "2",
+            "--heads",
+            "4",
+            "--head-dim",
+            "8",
+            "--causal",
+            "--json",
+            str(tmp_path / "run.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     ranks = json.loads((tmp_path / "run.json").read_text())["ranks"]
     assert [r["shard"] for r in ranks] == [101, 100, 100]
     assert all(r["out_error"] <= 1e-5 and r["grad_error"] <= 1e-5 for r in ranks)
     assert ranks[0]["forward_received"] == 0 and ranks[0]["forward_sent"] > 0  # causal: rank 0 needs no keys
+
+
+def test_a_communicator_made_before_init_process_group_uses_the_group_it_makes(tmp_path):
+    communicator = Communicator()
+    with pytest.raises(ValueError, match=r"torch\.distributed is not initialized"):
+        communicator.group  # noqa: B018 - the property's refusal is under test
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        assert communicator.group is dist.group.WORLD
+        x = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+        out = dilated_attention(x, x, x, [4], [1], process_group=communicator)
+        assert torch.allclose(out, dilated_attention(x, x, x, [4], [1]))
+    finally:
+        dist.destroy_process_group()

@@ -20,7 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-BLOCK = re.compile(r"(?:<!--(?P<directives>[^>]*)-->\n)?```python\n(?P<code>.*?)^```", re.S | re.M)
+BLOCK = re.compile(r"(?:<!--(?P<directives>[^>]*)-->\n)?```python\n(?P<code>.*?)^```", re.DOTALL | re.MULTILINE)
 TIMEOUT_S = 300
 
 
@@ -29,7 +29,7 @@ def parse_directives(text):
     found = {"torchrun": None, "expect": [], "names": []}
     for part in filter(None, (p.strip() for p in (text or "").split(";"))):
         if part.startswith("expect:"):
-            found["expect"].append(part[len("expect:"):].strip())
+            found["expect"].append(part[len("expect:") :].strip())
         elif re.fullmatch(r"torchrun \d+", part):
             found["torchrun"] = int(part.split()[1])
         elif re.fullmatch(r"[\w-]+", part):
@@ -68,7 +68,7 @@ def test_every_python_fence_is_found():
     assert len(BLOCKS) >= 15
 
 
-@pytest.mark.parametrize("path, line, directives, code", BLOCKS)
+@pytest.mark.parametrize(("path", "line", "directives", "code"), BLOCKS)
 def test_python_block_runs_as_written(path, line, directives, code, tmp_path, monkeypatch, capsys):
     if "transformers" in code:
         pytest.importorskip("transformers")
@@ -80,7 +80,9 @@ def test_python_block_runs_as_written(path, line, directives, code, tmp_path, mo
         script.write_text(code)
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)],
-            capture_output=True, text=True, timeout=TIMEOUT_S,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
         )
         assert result.returncode == 0, f"{name} failed under torchrun:\n{result.stderr[-3000:]}"
         for expected in directives["expect"]:
@@ -97,7 +99,7 @@ def test_readme_keeps_two_setup_commands_and_stays_short():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 200
     setup = text.split("\n## Setup\n", 1)[1].split("\n## ", 1)[0]
-    commands = re.findall(r"```bash\n(.*?)```", setup, re.S)
+    commands = re.findall(r"```bash\n(.*?)```", setup, re.DOTALL)
     assert len(commands) == 2 and all(command.count("\n") == 1 for command in commands), commands
     assert commands[0].startswith("python3 -m pip install -r requirements.txt && ")
     assert "python3 -m dilated_attention train && python3 -m dilated_attention generate" in commands[0]
@@ -109,7 +111,11 @@ def mkdocs_build(config_dir, site_dir):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's notice about MkDocs 2.0, not a warning
     return subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
-        cwd=config_dir, capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
+        cwd=config_dir,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
     )
 
 
@@ -118,8 +124,12 @@ def test_site_builds_strict_with_the_api_reference_and_results(tmp_path):
     result = mkdocs_build(ROOT, site)
     assert result.returncode == 0, result.stderr[-4000:]
     api = (site / "api" / "index.html").read_text()
-    for name in ("dilated_attention.dilated_attention", "dilated_attention.DilatedKVCache",
-                 "dilated_attention.MultiheadDilatedAttention", "key_padding_mask"):
+    for name in (
+        "dilated_attention.dilated_attention",
+        "dilated_attention.DilatedKVCache",
+        "dilated_attention.MultiheadDilatedAttention",
+        "key_padding_mask",
+    ):
         assert name in api, name
     assert ":class:" not in api and ":func:" not in api
     models = (site / "api-models" / "index.html").read_text()

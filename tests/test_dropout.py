@@ -3,12 +3,12 @@ keyed by position (so independent of how the work is cut), bounded memory."""
 
 import pytest
 import torch
-from helpers import LargestTensor, call_budget, random_inputs
 
 import dilated_attention.ops.kernels as kernels
 from dilated_attention import DilatedAttention, dilated_attention, reference_dilated_attention
-from dilated_attention.tools.check import max_relative_error
 from dilated_attention.ops.dropout import DropoutMask, column_keys, row_keys
+from dilated_attention.tools.check import max_relative_error
+from helpers import LargestTensor, call_budget, random_inputs
 
 SEGS, RATES = [4, 6, 16], [1, 2, 3]
 
@@ -99,7 +99,7 @@ def test_dropout_does_not_depend_on_how_the_work_is_cut(monkeypatch):
     monkeypatch.setattr(kernels, "MATH_CHUNK_ELEMENTS", 1)
     with call_budget(1):
         cut = run()
-    assert all(max_relative_error(a, b) <= 1e-13 for a, b in zip(whole, cut))
+    assert all(max_relative_error(a, b) <= 1e-13 for a, b in zip(whole, cut, strict=True))
 
 
 @pytest.mark.parametrize("head_offsets", ["interleaved", "contiguous"])
@@ -111,13 +111,23 @@ def test_grouped_query_dropout_is_that_of_repeated_keys(head_offsets):
 
     def run(k, v):
         torch.manual_seed(5)
-        out, lse = dilated_attention(q, k, v, SEGS, RATES, head_offsets=head_offsets, is_causal=True, dropout_p=0.3,
-                                     key_padding_mask=mask, return_lse=True)
+        out, lse = dilated_attention(
+            q,
+            k,
+            v,
+            SEGS,
+            RATES,
+            head_offsets=head_offsets,
+            is_causal=True,
+            dropout_p=0.3,
+            key_padding_mask=mask,
+            return_lse=True,
+        )
         return [out, lse, *torch.autograd.grad((out, lse), (q, k, v), (grad, grad_lse.float()))]
 
     shared, full = run(k, v), run(*repeated)
     full[3:] = [g.unflatten(2, (2, 3)).sum(3) for g in full[3:]]
-    assert all(max_relative_error(a, b) <= 1e-12 for a, b in zip(shared, full))
+    assert all(max_relative_error(a, b) <= 1e-12 for a, b in zip(shared, full, strict=True))
 
 
 def test_dropout_temporaries_are_bounded(monkeypatch):

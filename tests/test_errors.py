@@ -7,9 +7,14 @@ import time
 import pytest
 import torch
 
-from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention, reference_dilated_attention
-from dilated_attention.tools.check import max_relative_error
+from dilated_attention import (
+    DilatedAttention,
+    MultiheadDilatedAttention,
+    dilated_attention,
+    reference_dilated_attention,
+)
 from dilated_attention.ops.plan import make_plan
+from dilated_attention.tools.check import max_relative_error
 
 
 def qkv(shape=(2, 16, 4, 8), dtype=torch.float32):
@@ -30,7 +35,7 @@ q0, k0, v0 = qkv()
 
 
 @pytest.mark.parametrize(
-    "overrides,exc,fragment",
+    ("overrides", "exc", "fragment"),
     [
         (dict(segment_lengths=[4, 8, 16]), ValueError, "same length"),
         (dict(segment_lengths=[]), ValueError, "segment_lengths must not be empty"),
@@ -42,29 +47,52 @@ q0, k0, v0 = qkv()
         (dict(q=q0[0]), ValueError, "q must have 4 dims"),
         (dict(k=k0[:, :8]), ValueError, "v must have the shape of k"),
         (dict(k=k0[:, :8], v=v0[:, :8]), ValueError, "q has 16 positions but k and v only 8"),
-        (dict(k=k0[:, :, :3], v=v0[:, :, :3]), ValueError,
-         "k and v have 3 heads and q 4: grouped-query attention needs the key/value heads H_kv to divide the "
-         "query heads H (each key/value head serves H / H_kv query heads); give k and v one of 1, 2, 4 heads"),
-        (dict(k=k0[:1], v=v0[:1]), ValueError,
-         "k must have the batch size and head_dim of q (2, 16, 4, 8), got (1, 16, 4, 8)"),
+        (
+            dict(k=k0[:, :, :3], v=v0[:, :, :3]),
+            ValueError,
+            (
+                "k and v have 3 heads and q 4: grouped-query attention needs the key/value heads H_kv to divide the "
+                "query heads H (each key/value head serves H / H_kv query heads); give k and v one of 1, 2, 4 heads"
+            ),
+        ),
+        (
+            dict(k=k0[:1], v=v0[:1]),
+            ValueError,
+            "k must have the batch size and head_dim of q (2, 16, 4, 8), got (1, 16, 4, 8)",
+        ),
         (dict(k=k0[..., :4], v=v0[..., :4]), ValueError, "k must have the batch size and head_dim of q"),
-        (dict(segment_lengths=[4], dilation_rates=[1, 2]), ValueError,
-         "segment_lengths (1 value) and dilation_rates (2 values) must have the same length"),
+        (
+            dict(segment_lengths=[4], dilation_rates=[1, 2]),
+            ValueError,
+            "segment_lengths (1 value) and dilation_rates (2 values) must have the same length",
+        ),
         (dict(q=q0[:, :8]), ValueError, "need is_causal=True"),
         (dict(q=q0[:, :8], is_causal=True, key_offset=-1), ValueError, "key_offset must be >= 0"),
         (dict(q=q0[:, :8], is_causal=True, key_offset=2.0), TypeError, "key_offset must be an int"),
-        (dict(q=q0[:, :8], is_causal=True, key_offset=torch.zeros(3, dtype=torch.long)), ValueError,
-         "key_offset must be an int or an integer tensor of shape (batch,) = (2,)"),
-        (dict(q=q0[:, :2], k=k0[:, :3], v=v0[:, :3], is_causal=True, key_offset=5), ValueError,
-         "the keys start at position key_offset=5, but the first query (position 6) attends to keys from "
-         "position 0"),
+        (
+            dict(q=q0[:, :8], is_causal=True, key_offset=torch.zeros(3, dtype=torch.long)),
+            ValueError,
+            "key_offset must be an int or an integer tensor of shape (batch,) = (2,)",
+        ),
+        (
+            dict(q=q0[:, :2], k=k0[:, :3], v=v0[:, :3], is_causal=True, key_offset=5),
+            ValueError,
+            (
+                "the keys start at position key_offset=5, but the first query (position 6) attends to keys from "
+                "position 0"
+            ),
+        ),
         (dict(head_offsets="blocked"), ValueError, "head_offsets must be one of"),
         (dict(v=v0.double()), ValueError, "v must have the dtype of q"),
         (dict(q=q0.int(), k=k0.int(), v=v0.int()), ValueError, "q must be float64, float32"),
         (dict(q=q0.numpy()), TypeError, "q must be a torch.Tensor"),
         (dict(v=v0[:, :, :, :0]), ValueError, "v must have every dim >= 1"),
         (dict(mode="dilated"), ValueError, "mode must be one of"),
-        (dict(mode="head_groups", segment_lengths=[2, 4, 8, 16, 32], dilation_rates=[1] * 5), ValueError, "needs at least one head per branch"),
+        (
+            dict(mode="head_groups", segment_lengths=[2, 4, 8, 16, 32], dilation_rates=[1] * 5),
+            ValueError,
+            "needs at least one head per branch",
+        ),
         (dict(key_padding_mask=torch.zeros(2, 16)), ValueError, "key_padding_mask must be a bool tensor"),
         (dict(key_padding_mask=torch.zeros(2, 15, dtype=torch.bool)), ValueError, "key_padding_mask must have shape"),
         (dict(key_padding_mask=[[False] * 16] * 2), TypeError, "key_padding_mask must be a torch.Tensor"),
@@ -106,7 +134,7 @@ def test_module_errors():
 
 
 def test_process_group_without_torch_distributed_initialized():
-    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+    with pytest.raises(ValueError, match=r"torch\.distributed is not initialized"):
         dilated_attention(q0, k0, v0, [4], [1], process_group=object())
 
 
@@ -172,7 +200,13 @@ def test_sparse_inputs_are_refused():
 
 def test_fused_kernels_refuse_dropout_and_selection_says_what_supports_it():
     from dilated_attention.ops.dropout import DropoutMask
-    from dilated_attention.ops.kernels import CpuFlashKernel, CudaEfficientKernel, CudaFlashKernel, MathKernel, select_kernel
+    from dilated_attention.ops.kernels import (
+        CpuFlashKernel,
+        CudaEfficientKernel,
+        CudaFlashKernel,
+        MathKernel,
+        select_kernel,
+    )
 
     q = torch.randn(1, 2, 4, 8)
     mask = DropoutMask(0.5, torch.zeros(1, 2, 4, dtype=torch.long), torch.zeros(1, 1, 4, dtype=torch.long))

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
-from helpers import option_help
 
 from dilated_attention.tools.check import ONE_PROCESS_TOLERANCES
+from helpers import option_help
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 TIMEOUT_S = 300
@@ -25,10 +25,29 @@ def load_example(name):
 
 def test_distributed_example_ends_with_pass_naming_its_tolerance():
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         os.path.join(EXAMPLES, "distributed.py"), "--seq-len", "101", "--segment-lengths", "16", "32",
-         "--dilation-rates", "1", "2", "--heads", "2", "--head-dim", "4"],
-        capture_output=True, text=True, timeout=TIMEOUT_S,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(EXAMPLES, "distributed.py"),
+            "--seq-len",
+            "101",
+            "--segment-lengths",
+            "16",
+            "32",
+            "--dilation-rates",
+            "1",
+            "2",
+            "--heads",
+            "2",
+            "--head-dim",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     last = result.stdout.splitlines()[-1]
@@ -37,8 +56,13 @@ def test_distributed_example_ends_with_pass_naming_its_tolerance():
 
 def test_distributed_example_without_torchrun_says_how_to_launch_it():
     env = {name: value for name, value in os.environ.items() if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, "distributed.py"), "--seq-len", "16"],
-                            capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    result = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "distributed.py"), "--seq-len", "16"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+    )
     assert result.returncode == 1 and result.stdout == ""
     assert "launch it with torchrun, e.g. torchrun --nproc_per_node 2 examples/distributed.py" in result.stderr
     assert "Traceback" not in result.stderr
@@ -49,11 +73,13 @@ def test_distributed_example_verdict():
     tol = ONE_PROCESS_TOLERANCES[torch.float32]
     table = [dict(out_error=tol / 8, grad_error=tol / 4), dict(out_error=tol / 5, grad_error=0.0)]
     assert verdict(table, torch.float32, check=True) == (
-        True, f"PASS: worst error {tol / 4:.2g} <= tolerance {tol:g} (float32, every rank against one process)"
+        True,
+        f"PASS: worst error {tol / 4:.2g} <= tolerance {tol:g} (float32, every rank against one process)",
     )
     table[1]["grad_error"] = 4 * tol
     assert verdict(table, torch.float32, check=True) == (
-        False, f"FAIL: worst error {4 * tol:.2g} > tolerance {tol:g} (float32, every rank against one process)"
+        False,
+        f"FAIL: worst error {4 * tol:.2g} > tolerance {tol:g} (float32, every rank against one process)",
     )
     ok, line = verdict([dict(), dict()], torch.float32, check=False)
     assert ok and line.startswith("PASS: ") and "--no-check" in line
@@ -76,8 +102,12 @@ def test_distributed_example_help_matches_its_flags(capsys, monkeypatch):
 
 def test_transformers_example_trains_and_generates():
     pytest.importorskip("transformers")
-    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, "transformers_llama.py"), "--steps", "3"],
-                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    result = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "transformers_llama.py"), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert lines[0].startswith("step 1: loss ") and lines[1].startswith("3 steps in ")
@@ -85,8 +115,12 @@ def test_transformers_example_trains_and_generates():
 
 
 def test_image_ordering_example_trains_each_order():
-    result = subprocess.run([sys.executable, os.path.join(EXAMPLES, "image_ordering.py"), "--steps", "2"],
-                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    result = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, "image_ordering.py"), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["order", "test", "accuracy", "train", "s"]

@@ -6,13 +6,13 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LargestTensor, call_budget, configs, forced_kernel, poison, random_inputs, split_config
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import dilated_attention, reference_dilated_attention
-from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
 from dilated_attention.ops.kernels import MathKernel
+from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
+from helpers import LargestTensor, call_budget, configs, forced_kernel, poison, random_inputs, split_config
 
 
 def compare_with_reference(cfg, dtype=torch.float64, tolerance=1e-10):
@@ -39,8 +39,10 @@ def test_float64_matches_reference(cfg):
     compare_with_reference(cfg)
 
 
-@given(configs(max_len=40, max_heads=4, grouped_query=True),
-       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+@given(
+    configs(max_len=40, max_heads=4, grouped_query=True),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
 def test_low_precision_within_tolerance(cfg, dtype):
     # |scale| > 1 amplifies input rounding beyond the tolerances, which are for scales <= 1.
     cfg = dict(cfg, softmax_scale=None if cfg["softmax_scale"] == -1.3 else cfg["softmax_scale"])
@@ -85,7 +87,7 @@ def test_mixture_is_one_softmax_over_the_union_of_keys():
     (q, k, v), _, _ = random_inputs(3, 2, 23, 4, 5)
     count = sum(
         branch_pattern(23, w, r, offs, is_causal=True).double()
-        for w, r, offs in zip(segs, rates, branch_offsets(4, segs, rates, "mixture"))
+        for w, r, offs in zip(segs, rates, branch_offsets(4, segs, rates, "mixture"), strict=True)
     )
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(5) + count.log()
     expected = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
@@ -104,7 +106,7 @@ def lineage_dilated_attention(q, k, v, segment_lengths, dilation_rates, is_causa
     sizes = [h // groups + (1 if i < h % groups else 0) for i in range(groups)]
     out = torch.zeros_like(q)
     hmin = 0
-    for i, (s, r) in enumerate(zip(segment_lengths, dilation_rates)):
+    for i, (s, r) in enumerate(zip(segment_lengths, dilation_rates, strict=True)):
         hmax, offset = hmin + sizes[i], i % r
         sel = [t.reshape(b, n // s, s, h, d)[:, :, offset::r, hmin:hmax] for t in (q, k, v)]
         folded = [t.reshape(-1, *t.shape[2:]).transpose(1, 2) for t in sel]
@@ -117,7 +119,7 @@ def lineage_dilated_attention(q, k, v, segment_lengths, dilation_rates, is_causa
 
 @pytest.mark.parametrize("heads", [6, 7])
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 2e-6)])
 def test_head_groups_reproduces_the_lineage(heads, is_causal, dtype, tol):
     (q, k, v), _, _ = random_inputs(5, 2, 48, heads, 8, dtype=dtype)
     segs, rates = [8, 16, 48], [1, 2, 4]
@@ -163,7 +165,7 @@ def test_lse_gradient_with_a_head_dim_of_one_laid_out_sequence_fastest(strided):
     not inherit that layout (PyTorch's CPU flash backward gets it wrong)."""
     gen = torch.Generator().manual_seed(8)
     inputs = [torch.randn(1, 17, 5, 1, generator=gen, dtype=torch.float64) for _ in range(3)]
-    for index in ([0, 1] if strided == "qk" else [2]):
+    for index in [0, 1] if strided == "qk" else [2]:
         inputs[index] = inputs[index].permute(0, 3, 2, 1).contiguous().permute(0, 3, 2, 1)
     inputs = [t.requires_grad_() for t in inputs]
     grad, grad_lse = torch.randn(1, 17, 5, 1, generator=gen), torch.randn(1, 17, 5, generator=gen)
@@ -185,7 +187,7 @@ def test_sdpa_layout():
     assert torch.equal(out_h.transpose(1, 2), out) and torch.equal(lse_h.transpose(1, 2), lse)
     grads = torch.autograd.grad((out, lse), (q, k, v), (grad, grad_lse))
     grads_h = torch.autograd.grad((out_h, lse_h), sdpa, (grad.transpose(1, 2), grad_lse.transpose(1, 2)))
-    assert all(torch.equal(g, gh.transpose(1, 2)) for g, gh in zip(grads, grads_h))
+    assert all(torch.equal(g, gh.transpose(1, 2)) for g, gh in zip(grads, grads_h, strict=True))
 
 
 def test_unselected_rows_and_fully_padded_rows_output_zero():
@@ -212,7 +214,7 @@ def test_double_backward_is_refused(loss):
         torch.autograd.grad(value, q, create_graph=True)
 
 
-@pytest.mark.parametrize("segment_lengths,dilation_rates", [([1, 2], [1, 2]), ([8], [1]), ([3, 5], [1, 3])])
+@pytest.mark.parametrize(("segment_lengths", "dilation_rates"), [([1, 2], [1, 2]), ([8], [1]), ([3, 5], [1, 3])])
 def test_nan_in_a_query_reaches_its_output(segment_lengths, dilation_rates):
     """Also where a block has one or two keys (the fused kernel returns 0 there)."""
     (q, k, v), _, _ = random_inputs(4, 1, 8, 2, 4)
@@ -293,8 +295,7 @@ def test_cuda_flash_kernel_calls_fit_the_op_schemas(masked):
         q = torch.empty(2, 37, 6, 12, device="meta", dtype=torch.bfloat16, requires_grad=True)
         k, v = (torch.empty(2, 37, 2, 12, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
         mask = torch.empty(2, 37, dtype=torch.bool, device="meta") if masked else None
-        out, lse = dilated_attention(q, k, v, [8, 16], [1, 3], key_padding_mask=mask, is_causal=True,
-                                     return_lse=True)
+        out, lse = dilated_attention(q, k, v, [8, 16], [1, 3], key_padding_mask=mask, is_causal=True, return_lse=True)
         grads = torch.autograd.grad((out, lse), (q, k, v), (torch.empty_like(out), torch.empty_like(lse)))
     assert out.shape == q.shape and lse.shape == (2, 37, 6) and lse.dtype == torch.float32
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
@@ -305,7 +306,7 @@ def test_large_lse_gradients_in_half_precision(dtype):
     """A loss scaled as AMP's GradScaler does (65536 and more) through the LSE: the
     gradient column must not overflow float16 where the true gradient fits."""
     (q, k, v), _, mask = random_inputs(13, 1, 24, 2, 8, dtype=dtype, masked=True)
-    out, lse = dilated_attention(q, k, v, [8, 16], [1, 2], is_causal=True, key_padding_mask=mask, return_lse=True)
+    _, lse = dilated_attention(q, k, v, [8, 16], [1, 2], is_causal=True, key_padding_mask=mask, return_lse=True)
     weight = torch.randn(lse.shape, generator=torch.Generator().manual_seed(1)) * 3e4
     grads = torch.autograd.grad((lse.nan_to_num(neginf=0.0) * weight).sum(), (q, k))  # the LSE needs no v
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -324,7 +325,10 @@ def test_torch_func_transforms_are_refused_clearly_and_up_front():
     (q, k, v), _, _ = random_inputs(1, 1, 8, 2, 4)
     q, k, v = (t.detach() for t in (q, k, v))
     refusal = "dilated_attention does not support torch.func transforms (grad, vjp, vmap, ...)"
-    loss = lambda q: dilated_attention(q, k, v, [4], [1]).square().sum()  # noqa: E731
+
+    def loss(q):
+        return dilated_attention(q, k, v, [4], [1]).square().sum()
+
     cache = DilatedKVCache(1, 2, 4, [4], [1], dtype=torch.float64)
     for transformed in (
         lambda: torch.func.grad(loss)(q),
@@ -352,7 +356,6 @@ def test_grouped_query_keys_are_shared_not_repeated(layout):
     with LargestTensor() as largest:
         out = dilated_attention(q, k, v, layout=layout, **branches)
     assert largest.numel <= k.numel()
-    ref, _ = reference_dilated_attention(*(t.transpose(1, 2) if layout == "bhnd" else t for t in (q, k, v)),
-                                         **branches)
+    ref, _ = reference_dilated_attention(*(t.transpose(1, 2) if layout == "bhnd" else t for t in (q, k, v)), **branches)
     ref = ref.transpose(1, 2) if layout == "bhnd" else ref
     assert max_relative_error(out, ref) <= 1e-5

@@ -10,13 +10,14 @@ from hypothesis import strategies as st
 from dilated_attention import MultiheadDilatedAttention
 from dilated_attention.models import LongNetConfig, LongNetLM, sample_next
 from dilated_attention.models.config import PRESETS
-from dilated_attention.ops.plan import HEAD_OFFSETS, MODES
 from dilated_attention.nn.rotary import RotaryEmbedding
+from dilated_attention.ops.plan import HEAD_OFFSETS, MODES
 
 
 def small_config(**changes):
-    base = dict(vocab_size=37, dim=24, depth=2, heads=4, ffn_dim=40, segment_lengths=(4, 8, 16),
-                dilation_rates=(1, 2, 3))
+    base = dict(
+        vocab_size=37, dim=24, depth=2, heads=4, ffn_dim=40, segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 3)
+    )
     return LongNetConfig(**{**base, **changes})
 
 
@@ -36,12 +37,17 @@ def model_cases(draw):
         left -= chunks[-1]
     return dict(
         config=dict(
-            heads=heads, dim=heads * 6, mode=mode, head_offsets=draw(st.sampled_from(HEAD_OFFSETS)),
+            heads=heads,
+            dim=heads * 6,
+            mode=mode,
+            head_offsets=draw(st.sampled_from(HEAD_OFFSETS)),
             segment_lengths=tuple(draw(st.lists(st.integers(1, 24), min_size=branches, max_size=branches))),
             dilation_rates=tuple(draw(st.lists(st.integers(1, 4), min_size=branches, max_size=branches))),
             positions=draw(st.sampled_from(["rotary", "none"])),
         ),
-        batch=draw(st.integers(1, 2)), chunks=chunks, seed=draw(st.integers(0, 2**31 - 1)),
+        batch=draw(st.integers(1, 2)),
+        chunks=chunks,
+        seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
@@ -115,7 +121,10 @@ def test_sampling_keeps_only_the_top_k_and_the_top_p_tokens():
     probabilities = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probabilities.log()
     gen = torch.Generator().manual_seed(0)
-    drawn = lambda **kw: {int(sample_next(logits, generator=gen, **kw)) for _ in range(300)}  # noqa: E731
+
+    def drawn(**kw):
+        return {int(sample_next(logits, generator=gen, **kw)) for _ in range(300)}
+
     assert drawn(top_k=2) == {0, 1}
     assert drawn(top_p=0.5) == {0}
     assert drawn(top_p=0.8) == {0, 1}
@@ -124,11 +133,14 @@ def test_sampling_keeps_only_the_top_k_and_the_top_p_tokens():
     assert int(sample_next(logits, temperature=0)) == 0
 
 
-@pytest.mark.parametrize("kwargs,fragment", [
-    (dict(temperature=-1), "temperature must be a finite number >= 0"),
-    (dict(top_p=0), "top_p must be a finite number in (0, 1]"),
-    (dict(top_k=0), "top_k must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(temperature=-1), "temperature must be a finite number >= 0"),
+        (dict(top_p=0), "top_p must be a finite number in (0, 1]"),
+        (dict(top_k=0), "top_k must be >= 1"),
+    ],
+)
 def test_bad_sampling_options_are_refused(kwargs, fragment):
     model = LongNetLM(small_config())
     with pytest.raises((ValueError, TypeError), match=fragment.replace("(", r"\(").replace("]", r"\]")):
@@ -139,8 +151,10 @@ def test_rotary_scores_depend_only_on_the_distance():
     rotary = RotaryEmbedding(8)
     gen = torch.Generator().manual_seed(3)
     q, k = (torch.randn(1, 1, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+
     def score(m, n):
         return (rotary(q, torch.tensor([m])) * rotary(k, torch.tensor([n]))).sum(-1)
+
     assert torch.allclose(score(7, 3), score(1_000_004, 1_000_000), rtol=0, atol=1e-9)
     assert not torch.allclose(score(7, 3), score(7, 4))
     x = torch.randn(2, 5, 2, 8, generator=gen)
@@ -160,7 +174,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model.zero_grad()
         model(tokens).logsumexp(-1).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -188,14 +202,17 @@ def test_config_round_trips_through_json_and_presets_match_the_paper():
     assert LongNetConfig.preset("tiny", depth=3).depth == 3
 
 
-@pytest.mark.parametrize("changes,fragment", [
-    (dict(dim=30, heads=4), "dim (30) must be divisible by heads (4)"),
-    (dict(dim=12, heads=4), "rotary positions need an even head dim"),
-    (dict(segment_lengths=(4, 8), dilation_rates=(1,)), "dilation_rates"),
-    (dict(mode="head_groups", heads=2), "head"),
-    (dict(positions="alibi"), "positions must be one of"),
-    (dict(depth=0), "depth must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        (dict(dim=30, heads=4), "dim (30) must be divisible by heads (4)"),
+        (dict(dim=12, heads=4), "rotary positions need an even head dim"),
+        (dict(segment_lengths=(4, 8), dilation_rates=(1,)), "dilation_rates"),
+        (dict(mode="head_groups", heads=2), "head"),
+        (dict(positions="alibi"), "positions must be one of"),
+        (dict(depth=0), "depth must be >= 1"),
+    ],
+)
 def test_bad_configs_are_refused(changes, fragment):
     with pytest.raises((ValueError, TypeError), match=fragment.replace("(", r"\(").replace(")", r"\)")):
         small_config(**changes)
@@ -210,12 +227,15 @@ def test_unknown_config_fields_and_presets_are_named():
         LongNetConfig.from_json("{")
 
 
-@pytest.mark.parametrize("tokens,fragment", [
-    (torch.tensor([[1, 40]]), r"token ids must lie in \[0, vocab_size=37\)"),
-    (torch.rand(1, 3), "int64 \\(or int32\\) token ids of shape"),
-    (torch.tensor([[1, 2]], dtype=torch.uint8), "convert ids with .long"),
-    (torch.tensor([1, 2]), "token ids of shape \\(batch, seq_len >= 1\\)"),
-])
+@pytest.mark.parametrize(
+    ("tokens", "fragment"),
+    [
+        (torch.tensor([[1, 40]]), r"token ids must lie in \[0, vocab_size=37\)"),
+        (torch.rand(1, 3), "int64 \\(or int32\\) token ids of shape"),
+        (torch.tensor([[1, 2]], dtype=torch.uint8), "convert ids with .long"),
+        (torch.tensor([1, 2]), "token ids of shape \\(batch, seq_len >= 1\\)"),
+    ],
+)
 def test_bad_tokens_are_refused(tokens, fragment):
     with pytest.raises(ValueError, match=fragment):
         LongNetLM(small_config())(tokens)

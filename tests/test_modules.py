@@ -6,10 +6,15 @@ import warnings
 
 import pytest
 import torch
-from helpers import random_inputs
 
-from dilated_attention import DilatedAttention, MultiheadDilatedAttention, dilated_attention, reference_dilated_attention
+from dilated_attention import (
+    DilatedAttention,
+    MultiheadDilatedAttention,
+    dilated_attention,
+    reference_dilated_attention,
+)
 from dilated_attention.tools.check import max_relative_error
+from helpers import random_inputs
 
 SEGS, RATES = [4, 8, 32], [1, 2, 4]
 
@@ -28,7 +33,9 @@ def test_dilated_attention_module_matches_function():
 def reference_mha(mha, query, key, value, **kwargs):
     """The module's computation with the dense reference in place of the library."""
     heads = (mha.num_heads, mha.embed_dim // mha.num_heads)
-    q, k, v = (proj(x).unflatten(-1, heads) for proj, x in ((mha.q_proj, query), (mha.k_proj, key), (mha.v_proj, value)))
+    q, k, v = (
+        proj(x).unflatten(-1, heads) for proj, x in ((mha.q_proj, query), (mha.k_proj, key), (mha.v_proj, value))
+    )
     att = mha.attention
     x, _ = reference_dilated_attention(q, k, v, att.segment_lengths, att.dilation_rates, mode=att.mode, **kwargs)
     x = x.flatten(-2)
@@ -79,7 +86,7 @@ def test_state_dict_round_trip():
 
 
 @pytest.mark.parametrize(
-    "change,fragment",
+    ("change", "fragment"),
     [
         (dict(num_heads=8), "num_heads=4 into one with num_heads=8"),
         (dict(segment_lengths=[4, 8, 16]), "segment_lengths=[4, 8, 32] into one with segment_lengths=[4, 8, 16]"),
@@ -131,10 +138,12 @@ def test_jit_trace_of_the_multihead_module():
     torch.manual_seed(0)
     mha = MultiheadDilatedAttention(16, 4, SEGS, RATES, dtype=torch.float64).eval()
     x = torch.randn(2, 30, 16, dtype=torch.float64)
-    with warnings.catch_warnings(), pytest.warns(UserWarning, match=r"for q of shape \(2, 30, 4, 4\)"):
+    with warnings.catch_warnings():
+        # pytest.warns records every warning and passes on those it does not match: here, ignored.
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
-        traced = torch.jit.trace(OutputOnly(mha), (x,), check_trace=False)
+        with pytest.warns(UserWarning, match=r"for q of shape \(2, 30, 4, 4\)"):
+            traced = torch.jit.trace(OutputOnly(mha), (x,), check_trace=False)
     y = torch.randn_like(x)
     assert max_relative_error(traced(y), mha(y, is_causal=True)[0]) <= 1e-12
 

@@ -82,8 +82,9 @@ def test_curves_keep_segments_compact(height, width, segment):
 
 def test_locality_on_a_64_grid_matches_the_counts():
     """48% / 76% of neighbour pairs within segments of 16, 50% / 89% within 64."""
-    shares = {kind: [locality(grid_order(kind, 64, 64), 64, 64, w)["neighbour_share"] for w in (16, 64)]
-              for kind in ORDERS}
+    shares = {
+        kind: [locality(grid_order(kind, 64, 64), 64, 64, w)["neighbour_share"] for w in (16, 64)] for kind in ORDERS
+    }
     assert [round(s, 2) for s in shares["row_major"]] == [0.48, 0.5]
     assert [round(s, 2) for s in shares["hilbert"]] == [round(s, 2) for s in shares["zorder"]] == [0.76, 0.89]
 
@@ -151,8 +152,12 @@ def test_orders_that_are_not_permutations_are_refused(extra):
     height, width = 5, 7
     x = torch.randn(2, extra + height * width, 3, generator=gen)
     for bad in _not_permutations(height * width, gen):
-        for move in (lambda o: apply(x, o, extra), lambda o: invert(x, o, extra), lambda o: shard(x, o, 1, 2, extra),
-                     lambda o: locality(o, height, width, 4)):
+        for move in (
+            lambda o: apply(x, o, extra),
+            lambda o: invert(x, o, extra),
+            lambda o: shard(x, o, 1, 2, extra),
+            lambda o: locality(o, height, width, 4),
+        ):
             with pytest.raises(ValueError, match=re.escape("order must be a permutation of 0 .. 34 (each patch once)")):
                 move(bad)
     order = torch.randperm(height * width, generator=gen)
@@ -171,8 +176,10 @@ def test_locality_checks_its_arguments():
     ):
         with pytest.raises(exc, match=re.escape(fragment)):
             locality(order, *args)
-    with pytest.raises(TypeError, match=re.escape("order must be a 1-D int64 tensor, as grid_order returns, got a "
-                                                  "2-D torch.int64 tensor")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape("order must be a 1-D int64 tensor, as grid_order returns, got a 2-D torch.int64 tensor"),
+    ):
         locality(order.view(4, 6), 4, 6, 4)
 
 
@@ -197,8 +204,7 @@ def test_grid_attention_runs_the_ordered_sequence_and_answers_in_the_callers_ord
     mask = torch.rand(2, 1 + height * width, generator=gen) < 0.2
     order = grid_order("hilbert", height, width)
     seq = (lambda t: t) if batch_first else (lambda t: t.transpose(0, 1))
-    out, weights = GridAttention(mha, "hilbert", extra_tokens=1)(seq(x), grid=(height, width),
-                                                                  key_padding_mask=mask)
+    out, weights = GridAttention(mha, "hilbert", extra_tokens=1)(seq(x), grid=(height, width), key_padding_mask=mask)
     expected, _ = mha(seq(apply(x, order, 1)), key_padding_mask=apply(mask, order, 1))
     assert weights is None
     assert torch.allclose(seq(out), invert(seq(expected), order, 1), rtol=1e-12, atol=1e-12)
@@ -234,7 +240,7 @@ def _torchscale_longvit_attention(q, k, v, segment_lengths, dilation_rates):
     ``softmax(lse)`` over the branches (``scattering``)."""
     batch, length, heads, dim = q.shape
     outs, lses = [], []
-    for w, r in zip(segment_lengths, dilation_rates):
+    for w, r in zip(segment_lengths, dilation_rates, strict=True):
         out = torch.zeros_like(q)
         lse = torch.full((batch, length, heads), -1e8, dtype=q.dtype)
         group = -(-heads // r)
@@ -247,7 +253,7 @@ def _torchscale_longvit_attention(q, k, v, segment_lengths, dilation_rates):
         outs.append(out)
         lses.append(lse)
     weights = torch.stack(lses).softmax(0)
-    return sum(o * w.unsqueeze(-1) for o, w in zip(outs, weights))
+    return sum(o * w.unsqueeze(-1) for o, w in zip(outs, weights, strict=True))
 
 
 def test_longvit_attention_is_reproduced_exactly():
@@ -273,8 +279,8 @@ def test_longvit_attention_is_reproduced_exactly():
 def test_the_drawn_patches_are_the_references_keys(kind):
     """What the grid picture shades for a query patch and a head: the keys the
     reference lets it attend to in that branch, on the ordered sequence."""
-    from dilated_attention.tools.pattern import attended_cells
     from dilated_attention.reference import branch_offsets, branch_pattern
+    from dilated_attention.tools.pattern import attended_cells
 
     height, width, heads = 5, 9, 3
     order = grid_order(kind, height, width)

@@ -11,14 +11,16 @@ import zipfile
 from pathlib import Path
 
 import torch
+
 from test_docs import ROOT, named_block
 
 TIMEOUT_S = 400
 
 
 def run(command, **kwargs):
-    result = subprocess.run([str(part) for part in command], capture_output=True, text=True, timeout=TIMEOUT_S,
-                            **kwargs)
+    result = subprocess.run(
+        [str(part) for part in command], capture_output=True, text=True, timeout=TIMEOUT_S, **kwargs
+    )
     assert result.returncode == 0, f"{command} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
     return result
 
@@ -48,14 +50,31 @@ def test_wheel_builds_checks_installs_and_runs_the_quickstart(tmp_path):
     python = venv / "bin" / "python"
     torch_version = torch.__version__.split("+")[0]  # the installed torch, from the local wheel cache
     # --no-compile: byte-compiling torch's files would take most of the test's time.
-    run([python, "-m", "pip", "install", "--quiet", "--no-compile", "--disable-pip-version-check", wheel,
-         f"torch=={torch_version}"])
+    run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-compile",
+            "--disable-pip-version-check",
+            wheel,
+            f"torch=={torch_version}",
+        ]
+    )
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    script = named_block(ROOT / "README.md", "quickstart") + "\nimport dilated_attention\nprint(dilated_attention.__file__)\n"
-    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path),  # no PYTHONPATH, no source tree
-           "PYTHONDONTWRITEBYTECODE": "1"}
+    script = (
+        named_block(ROOT / "README.md", "quickstart")
+        + "\nimport dilated_attention\nprint(dilated_attention.__file__)\n"
+    )
+    env = {
+        "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
+        "HOME": str(tmp_path),  # no PYTHONPATH, no source tree
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     result = run([python, "-c", script], cwd=elsewhere, env=env)
     printed = result.stdout.splitlines()
     assert "torch.Size([2, 1500, 256])" in printed
@@ -67,7 +86,11 @@ def test_wheel_builds_checks_installs_and_runs_the_quickstart(tmp_path):
 def test_instructions_name_install_commands_that_work():
     """The package is on no index: nothing tells users to install it from one."""
     unserved = re.compile(r"pip install\s+['\"]?dilated[-_]attention\b(?!-)")
-    paths = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "src").rglob("*.py"),
-             *(ROOT / "examples").rglob("*.py")]
+    paths = [
+        ROOT / "README.md",
+        *(ROOT / "docs").rglob("*.md"),
+        *(ROOT / "src").rglob("*.py"),
+        *(ROOT / "examples").rglob("*.py"),
+    ]
     offenders = [str(path.relative_to(ROOT)) for path in paths if unserved.search(path.read_text())]
     assert not offenders, offenders

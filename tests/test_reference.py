@@ -6,10 +6,10 @@ import re
 
 import pytest
 import torch
-from helpers import configs, random_inputs, split_config
 from hypothesis import given
 
 from dilated_attention.reference import attention_weights_uniform, reference_dilated_attention
+from helpers import configs, random_inputs, split_config
 
 
 def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, head_offsets, is_causal, softmax_scale, mask):
@@ -25,7 +25,7 @@ def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, head_offsets, is_c
         for h in range(heads):
             for p in range(n):
                 results = []
-                for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+                for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates, strict=True)):
                     if mode == "head_groups" and group_of[h] != i:
                         continue
                     if mode == "head_groups":
@@ -38,7 +38,8 @@ def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, head_offsets, is_c
                     if (p - s * w) % r != offset:
                         continue
                     keys = [
-                        key for key in range(s * w, min((s + 1) * w, n))
+                        key
+                        for key in range(s * w, min((s + 1) * w, n))
                         if (key - s * w) % r == offset
                         and not (is_causal and key > p)
                         and not (mask is not None and mask[b, key])
@@ -49,18 +50,18 @@ def spec_loop(q, k, v, segment_lengths, dilation_rates, mode, head_offsets, is_c
                     top = max(logits)
                     weights = [math.exp(x - top) for x in logits]
                     total = sum(weights)
-                    o = sum(wt * v[b, key, h].double() for wt, key in zip(weights, keys)) / total
+                    o = sum(wt * v[b, key, h].double() for wt, key in zip(weights, keys, strict=True)) / total
                     results.append((o, math.log(total) + top))
                 if not results:
                     continue
                 if mode == "mixture":
-                    big = math.log(sum(math.exp(l) for _, l in results))
-                    out[b, p, h] = sum(math.exp(l - big) * o for o, l in results)
+                    big = math.log(sum(math.exp(part) for _, part in results))
+                    out[b, p, h] = sum(math.exp(part - big) * o for o, part in results)
                     lse[b, p, h] = big
                 else:
-                    (o, l), = results
+                    ((o, part),) = results
                     out[b, p, h] = o / groups
-                    lse[b, p, h] = l
+                    lse[b, p, h] = part
     return out, lse
 
 
@@ -93,7 +94,7 @@ def test_uniform_weights_rows_sum_to_the_mode_total(mode):
 
 
 @pytest.mark.parametrize(
-    "kwargs,exc,fragment",
+    ("kwargs", "exc", "fragment"),
     [
         (dict(mode="mixtur"), ValueError, "mode must be one of"),
         (dict(segment_lengths=[4, 8]), ValueError, "same length"),

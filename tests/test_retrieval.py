@@ -9,10 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dilated_attention.tools.cli import main
 from dilated_attention.training import TrainSettings, retrieval, tasks
 from dilated_attention.training.data import Batches
-
-from dilated_attention.tools.cli import main
 
 
 @st.composite
@@ -104,6 +103,7 @@ def test_a_constant_model_scores_chance(task):
 def test_scores_depend_on_the_seed_only():
     def model(tokens):  # "the same byte again": its loss depends on the examples' digits
         return torch.nn.functional.one_hot(tokens, 256).float() * 3
+
     first, again, other = (retrieval.score(model, "recall", 200, [16, 64], examples=6, seed=s) for s in (1, 1, 2))
     assert first.scores == again.scores
     assert [s.answer_bits for s in first.scores] != [s.answer_bits for s in other.scores]
@@ -119,7 +119,7 @@ def test_training_batches_mix_task_examples_reproducibly():
     state = batches.state_dict()
     following = batches.next()
     batches.load_state_dict(state)
-    assert all(torch.equal(a, b) for a, b in zip(batches.next(), following))
+    assert all(torch.equal(a, b) for a, b in zip(batches.next(), following, strict=True))
     none = Batches(data, 256, 8, seed=5, task="recall", task_fraction=0.0).next()[0]
     assert not any(b"=" in bytes(row) for row in none.tolist())
 
@@ -134,8 +134,31 @@ def test_train_settings_check_the_task():
 def test_train_with_a_task_then_evaluate_the_run(tmp_path, capsys):
     run, text = str(tmp_path / "run"), tmp_path / "text.py"
     text.write_text("def f(x):\n    return x + 1\n" * 400)
-    assert main(["train", "--out", run, "--data", str(text), "--steps", "2", "--context", "256", "--batch-size", "2",
-                 "--task", "passkey", "--task-fraction", "1", "--eval-windows", "2", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--out",
+                run,
+                "--data",
+                str(text),
+                "--steps",
+                "2",
+                "--context",
+                "256",
+                "--batch-size",
+                "2",
+                "--task",
+                "passkey",
+                "--task-fraction",
+                "1",
+                "--eval-windows",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     with open(os.path.join(run, "config.json")) as f:
         saved = json.load(f)["training"]
     assert saved["task"] == "passkey" and saved["task_fraction"] == 1.0
@@ -150,8 +173,24 @@ def test_train_with_a_task_then_evaluate_the_run(tmp_path, capsys):
         assert s["examples"] == 3 and 0 <= s["accuracy"] <= 1 and math.isfinite(s["answer_bits"])
     assert os.path.getsize(os.path.join(run, "retrieval-recall.png")) > 10_000
     assert result["about"]["context"] == 256
-    assert main(["evaluate", "--run", run, "--task", "passkey", "--examples", "2", "--max-distance", "40",
-                 "--out", str(tmp_path / "elsewhere")]) == 0  # the passkey hides in the run's own text
+    assert (
+        main(
+            [
+                "evaluate",
+                "--run",
+                run,
+                "--task",
+                "passkey",
+                "--examples",
+                "2",
+                "--max-distance",
+                "40",
+                "--out",
+                str(tmp_path / "elsewhere"),
+            ]
+        )
+        == 0
+    )  # the passkey hides in the run's own text
     assert os.path.isfile(tmp_path / "elsewhere" / "retrieval-passkey.json")
 
 

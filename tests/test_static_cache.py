@@ -4,20 +4,29 @@ loop that compiles once under torch.compile(fullgraph=True)."""
 import pytest
 import torch
 import torch._dynamo
-from helpers import configs, poison, random_inputs, split_config
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, StaticKVCache, reference_dilated_attention
-from dilated_attention.tools.check import TOLERANCES, max_relative_error
 from dilated_attention.models import LongNetConfig, LongNetLM
+from dilated_attention.tools.check import TOLERANCES, max_relative_error
+from helpers import configs, poison, random_inputs, split_config
 
 
 def static_cache(cfg, attn, pads, max_chunk, dtype=torch.float64):
-    return StaticKVCache(cfg["batch"], cfg["heads"], cfg["head_dim"], attn["segment_lengths"],
-                         attn["dilation_rates"], mode=attn["mode"], head_offsets=attn["head_offsets"],
-                         softmax_scale=attn["softmax_scale"], start=torch.tensor([-p for p in pads]),
-                         max_chunk=max_chunk, dtype=dtype)
+    return StaticKVCache(
+        cfg["batch"],
+        cfg["heads"],
+        cfg["head_dim"],
+        attn["segment_lengths"],
+        attn["dilation_rates"],
+        mode=attn["mode"],
+        head_offsets=attn["head_offsets"],
+        softmax_scale=attn["softmax_scale"],
+        start=torch.tensor([-p for p in pads]),
+        max_chunk=max_chunk,
+        dtype=dtype,
+    )
 
 
 def feed(cache, tensors, sizes):
@@ -86,8 +95,11 @@ def test_a_compiled_decode_loop_compiles_once():
 
 
 def test_a_compiled_model_decodes_with_a_static_cache_as_the_eager_one():
-    model = LongNetLM(LongNetConfig(vocab_size=50, dim=32, depth=2, heads=4, ffn_dim=48, segment_lengths=(4, 8),
-                                    dilation_rates=(1, 2))).eval()
+    model = LongNetLM(
+        LongNetConfig(
+            vocab_size=50, dim=32, depth=2, heads=4, ffn_dim=48, segment_lengths=(4, 8), dilation_rates=(1, 2)
+        )
+    ).eval()
     tokens = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(tokens)

@@ -12,10 +12,9 @@ import sys
 import pytest
 import torch
 
-from dilated_attention.tools.cli import main
 from dilated_attention.models import LongNetConfig
-from dilated_attention.training import TrainSettings, load_corpus, load_model, read_log, train
-from dilated_attention.training import checkpoint
+from dilated_attention.tools.cli import main
+from dilated_attention.training import TrainSettings, checkpoint, load_corpus, load_model, read_log, train
 from dilated_attention.training.data import Batches, split
 
 TIMEOUT_S = 240
@@ -37,8 +36,17 @@ def text_file(tmp_path):
 
 
 def settings(text_file, **changes):
-    base = dict(context=64, batch_size=4, steps=8, lr=3e-3, warmup_steps=2, eval_interval=4, eval_windows=4,
-                checkpoint_interval=3, data=text_file)
+    base = dict(
+        context=64,
+        batch_size=4,
+        steps=8,
+        lr=3e-3,
+        warmup_steps=2,
+        eval_interval=4,
+        eval_windows=4,
+        checkpoint_interval=3,
+        data=text_file,
+    )
     return TrainSettings(**{**base, **changes})
 
 
@@ -55,8 +63,9 @@ def test_a_resumed_run_repeats_the_uninterrupted_losses_exactly(tmp_path, text_f
         if record["step"] == 5:
             signal.raise_signal(signal.SIGINT)
 
-    summary = train(parts, settings(text_file, dtype=dtype), CONFIG.replace(dropout=0.1), callback=interrupt,
-                    progress=False)
+    summary = train(
+        parts, settings(text_file, dtype=dtype), CONFIG.replace(dropout=0.1), callback=interrupt, progress=False
+    )
     assert summary["stopped"] == "interrupted" and summary["step"] == 5
     assert checkpoint.load_checkpoint(parts)["step"] == 5
     assert train(parts, resume=True, progress=False)["step"] == 8
@@ -73,8 +82,9 @@ def test_training_learns_and_writes_its_run_folder(tmp_path, text_file):
     assert summary["stopped"] == "done" and [r["step"] for r in records] == list(range(1, 41))
     assert sum(losses(run)[-5:]) / 5 < 0.6 * sum(losses(run)[:5]) / 5
     assert records[19]["val_bpb"] > records[39]["val_bpb"]
-    assert sorted(os.listdir(run)) == sorted([".lock", "checkpoint.pt", "checkpoint.previous.pt", "config.json",
-                                              "log.jsonl", "loss.png"])
+    assert sorted(os.listdir(run)) == sorted(
+        [".lock", "checkpoint.pt", "checkpoint.previous.pt", "config.json", "log.jsonl", "loss.png"]
+    )
     model = load_model(run)
     assert model.config == CONFIG and not model.training
 
@@ -93,8 +103,9 @@ def test_a_time_budget_stops_with_a_checkpoint_that_resumes(tmp_path, text_file)
 def _launch(argv, processes):
     prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     command = (prefix if processes > 1 else [sys.executable]) + ["-m", "dilated_attention", "train"] + argv
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -103,13 +114,30 @@ def test_two_processes_compute_the_losses_of_one(tmp_path, text_file, mode):
     config = tmp_path / "model.json"
     config.write_text(CONFIG.to_json())
     windows = "1" if mode == "data" else "3"  # rank 1 evaluates no window, or fewer than rank 0
-    common = ["--config", str(config), "--data", text_file, "--context", "63", "--batch-size", "4", "--steps", "5",
-              "--eval-interval", "5", "--eval-windows", windows, "--no-progress", "--device", "cpu"]
-    _launch(common + ["--out", str(tmp_path / "one")], 1)
+    common = [
+        "--config",
+        str(config),
+        "--data",
+        text_file,
+        "--context",
+        "63",
+        "--batch-size",
+        "4",
+        "--steps",
+        "5",
+        "--eval-interval",
+        "5",
+        "--eval-windows",
+        windows,
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
+    _launch([*common, "--out", str(tmp_path / "one")], 1)
     _launch(common + ["--out", str(tmp_path / "two")] + (["--sequence-parallel"] if mode == "sequence" else []), 2)
     one, two = read_log(str(tmp_path / "one")), read_log(str(tmp_path / "two"))
     assert [r["step"] for r in two] == list(range(1, 6))
-    for a, b in zip(one, two):
+    for a, b in zip(one, two, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     assert two[-1]["val_bpb"] == pytest.approx(one[-1]["val_bpb"], rel=1e-4)
 
@@ -117,10 +145,24 @@ def test_two_processes_compute_the_losses_of_one(tmp_path, text_file, mode):
 def test_sequence_parallel_with_dropout_resumes_exactly(tmp_path, text_file):
     config = tmp_path / "model.json"
     config.write_text(CONFIG.replace(dropout=0.2).to_json())
-    common = ["--config", str(config), "--data", text_file, "--context", "63", "--batch-size", "2", "--steps", "5",
-              "--no-progress", "--device", "cpu", "--sequence-parallel"]
-    _launch(common + ["--out", str(tmp_path / "whole")], 2)
-    _launch(common + ["--out", str(tmp_path / "parts"), "--minutes", "1e-9"], 2)  # stops after step 1
+    common = [
+        "--config",
+        str(config),
+        "--data",
+        text_file,
+        "--context",
+        "63",
+        "--batch-size",
+        "2",
+        "--steps",
+        "5",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--sequence-parallel",
+    ]
+    _launch([*common, "--out", str(tmp_path / "whole")], 2)
+    _launch([*common, "--out", str(tmp_path / "parts"), "--minutes", "1e-9"], 2)  # stops after step 1
     assert len(read_log(str(tmp_path / "parts"))) == 1
     _launch(["--resume", str(tmp_path / "parts"), "--no-progress"], 2)
     assert losses(str(tmp_path / "parts")) == losses(str(tmp_path / "whole"))
@@ -130,8 +172,25 @@ def test_command_line_trains_then_generates(tmp_path, text_file, capsys, monkeyp
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "model.json"
     config.write_text(CONFIG.to_json())
-    assert main(["train", "--config", str(config), "--data", text_file, "--context", "64", "--batch-size", "4",
-                 "--steps", "6", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(config),
+                "--data",
+                text_file,
+                "--context",
+                "64",
+                "--batch-size",
+                "4",
+                "--steps",
+                "6",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "step 6/6 (done)" in out and "bits per byte" in out and "sessions" not in out  # never resumed
     (run,) = os.listdir(tmp_path / "runs")
@@ -161,9 +220,9 @@ def test_bad_runs_and_data_give_clear_errors(tmp_path, text_file, capsys, monkey
     run = str(tmp_path / "run")
     train(run, settings(text_file, steps=2), CONFIG, progress=False)
     assert "already holds a run: continue it with --resume" in _error(
-        ["train", "--out", run, "--data", text_file], capsys)
-    assert "only steps and minutes may change, not ['lr']" in _error(
-        ["train", "--resume", run, "--lr", "0.1"], capsys)
+        ["train", "--out", run, "--data", text_file], capsys
+    )
+    assert "only steps and minutes may change, not ['lr']" in _error(["train", "--resume", run, "--lr", "0.1"], capsys)
     assert "is not a training run folder" in _error(["generate", "--run", str(tmp_path), "--prompt", "a"], capsys)
     os.remove(os.path.join(run, "checkpoint.pt"))
     assert "no checkpoint in" in _error(["generate", "--run", run, "--prompt", "a"], capsys)
@@ -172,9 +231,11 @@ def test_bad_runs_and_data_give_clear_errors(tmp_path, text_file, capsys, monkey
     assert "holds no files" in _error(["train", "--out", str(tmp_path / "a"), "--data", str(empty)], capsys)
     (empty / "latin1.txt").write_bytes("café".encode("latin-1"))
     assert "latin1.txt is not UTF-8 text (byte 3" in _error(
-        ["train", "--out", str(tmp_path / "b"), "--data", str(empty)], capsys)
+        ["train", "--out", str(tmp_path / "b"), "--data", str(empty)], capsys
+    )
     assert "is shorter than the longest segment (256)" in _error(
-        ["train", "--out", str(tmp_path / "c"), "--context", "100", "--data", text_file], capsys)
+        ["train", "--out", str(tmp_path / "c"), "--context", "100", "--data", text_file], capsys
+    )
     assert "no trained run under runs/" in _error(["generate", "--prompt", "a"], capsys)
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
@@ -183,7 +244,8 @@ def test_bad_runs_and_data_give_clear_errors(tmp_path, text_file, capsys, monkey
     config = tmp_path / "model.json"
     config.write_text(CONFIG.replace(vocab_size=100).to_json())
     assert "vocab_size must be 256, got 100" in _error(
-        ["train", "--out", str(tmp_path / "d"), "--config", str(config), "--data", text_file], capsys)
+        ["train", "--out", str(tmp_path / "d"), "--config", str(config), "--data", text_file], capsys
+    )
     assert not (tmp_path / "d").exists()
     with pytest.raises(SystemExit):
         main(["train", "--grad-clip", "0"])
@@ -227,8 +289,7 @@ def test_the_default_corpus_is_the_standard_library_and_the_split_is_fixed():
     assert torch.equal(load_corpus().validation, corpus.validation)
     data = torch.randint(0, 256, (1000,), dtype=torch.uint8)
     train_part, validation = split(data)
-    assert len(validation) == 50 and torch.equal(torch.cat([train_part, validation]).sort().values,
-                                                 data.sort().values)
+    assert len(validation) == 50 and torch.equal(torch.cat([train_part, validation]).sort().values, data.sort().values)
 
 
 def test_batches_resume_from_their_state():
@@ -240,7 +301,7 @@ def test_batches_resume_from_their_state():
     b = Batches(data, 16, 3, seed=123)
     b.load_state_dict(state)
     got = b.next()
-    assert all(torch.equal(x, y) for x, y in zip(got, expected))
+    assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
     assert torch.equal(got[0][:, 1:], got[1][:, :-1])
 
 
@@ -255,10 +316,10 @@ def _flip_inside_a_tensor(path, count=64):
         record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
         with archive.open(record) as f:
             f.read()
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(pathlib.Path(path).read_bytes())
     start = record.header_offset + 30 + len(record.filename) + len(record.extra) + record.file_size // 2
     data[start : start + count] = bytes(b ^ 0xFF for b in data[start : start + count])
-    open(path, "wb").write(bytes(data))
+    pathlib.Path(path).write_bytes(bytes(data))
 
 
 def test_a_damaged_checkpoint_is_refused_and_the_previous_one_recovers_the_run(tmp_path, text_file, capsys):
@@ -272,13 +333,15 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_recovers_the_run(t
         assert "The checkpoint before it, of step 3, is intact" in message and "checkpoint.previous.pt" in message
     previous = os.path.join(run, "checkpoint.previous.pt")
     os.replace(previous, latest)  # what the message says to do
-    assert train(run, settings(text_file, steps=6, data=os.path.abspath(text_file)), resume=True,
-                 progress=False)["step"] == 6
+    assert (
+        train(run, settings(text_file, steps=6, data=os.path.abspath(text_file)), resume=True, progress=False)["step"]
+        == 6
+    )
     assert [r["step"] for r in read_log(run)] == list(range(1, 7))
 
-    whole = bytearray(open(latest, "rb").read())  # 100 KB zeroed, and no earlier checkpoint kept
+    whole = bytearray(pathlib.Path(latest).read_bytes())  # 100 KB zeroed, and no earlier checkpoint kept
     whole[len(whole) // 4 : len(whole) // 4 + 100_000] = bytes(100_000)
-    open(latest, "wb").write(bytes(whole))
+    pathlib.Path(latest).write_bytes(bytes(whole))
     os.remove(previous)
     message = _error(["generate", "--run", run, "--prompt", "a"], capsys)
     assert "is damaged" in message and "No earlier checkpoint of this run is kept" in message
@@ -297,18 +360,41 @@ def test_a_second_process_on_a_run_folder_is_refused_while_the_first_holds_it(tm
         with RunLock(str(tmp_path)):  # a lock on another folder is no obstacle
             assert train(fresh, settings(text_file, steps=1), CONFIG, progress=False)["step"] == 1
     assert len(read_log(run)) == 2
-    assert train(run, settings(text_file, steps=3, data=os.path.abspath(text_file)), resume=True,
-                 progress=False)["step"] == 3  # released: the next run takes it
+    assert (
+        train(run, settings(text_file, steps=3, data=os.path.abspath(text_file)), resume=True, progress=False)["step"]
+        == 3
+    )  # released: the next run takes it
 
 
 def test_concurrent_runs_into_one_folder_leave_one_whole_run(tmp_path, text_file):
     config = tmp_path / "model.json"
     config.write_text(CONFIG.to_json())
     run = str(tmp_path / "same")
-    argv = [sys.executable, "-m", "dilated_attention", "train", "--out", run, "--config", str(config), "--data",
-            text_file, "--context", "64", "--batch-size", "4", "--steps", "30", "--no-progress"]
-    processes = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(3)]
+    argv = [
+        sys.executable,
+        "-m",
+        "dilated_attention",
+        "train",
+        "--out",
+        run,
+        "--config",
+        str(config),
+        "--data",
+        text_file,
+        "--context",
+        "64",
+        "--batch-size",
+        "4",
+        "--steps",
+        "30",
+        "--no-progress",
+    ]
+    processes = [
+        subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        for _ in range(3)
+    ]
     results = [(p.wait(timeout=TIMEOUT_S), p.stderr.read()) for p in processes]
     assert sorted(code for code, _ in results) == [0, 2, 2], results
     for code, err in results:
@@ -364,7 +450,7 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, text_fi
 
     run = str(tmp_path / "run")
     train(run, settings(text_file, steps=2), CONFIG, progress=False)
-    before = open(os.path.join(run, "checkpoint.pt"), "rb").read()
+    before = pathlib.Path(run, "checkpoint.pt").read_bytes()
 
     class FullDisk:
         """A file on a device that takes 1000 bytes more, then reports ENOSPC."""
@@ -387,12 +473,15 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, text_fi
         def __exit__(self, *exc):
             return self.f.__exit__(*exc)
 
-    monkeypatch.setattr(files, "open", lambda *a, **kw: FullDisk(open(*a, **kw)), raising=False)
+    def full_disk_open(*args, **kwargs):
+        return FullDisk(open(*args, **kwargs))
+
+    monkeypatch.setattr(files, "open", full_disk_open, raising=False)
     message = _error(["train", "--resume", run, "--steps", "3", "--no-progress"], capsys)
     monkeypatch.undo()
     assert "no space left on the device writing the checkpoint" in message
     assert "the previous checkpoint is intact" in message and "Traceback" not in message
-    assert open(os.path.join(run, "checkpoint.pt"), "rb").read() == before
+    assert pathlib.Path(run, "checkpoint.pt").read_bytes() == before
     assert not [name for name in os.listdir(run) if name.endswith(".tmp")]
 
 
@@ -419,13 +508,16 @@ def test_evaluation_runs_in_batches_no_larger_than_the_training_batch(tmp_path, 
     assert read_log(run)[-1]["val_bpb"] == pytest.approx(whole, rel=1e-5)
 
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["train", "--lr", "1e308"], "lr must be a finite number in (0, 1]"),
-    (["train", "--weight-decay", "1e5"], "weight_decay must be a finite number in [0, 333.333]"),
-    (["train", "--seed", str(2**70)], "argument --seed: must be below 2**63"),
-    (["generate", "--prompt", "a", "--seed", str(2**70)], "argument --seed: must be below 2**63"),
-    (["check", "--seed", "-1"], "argument --seed: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["train", "--lr", "1e308"], "lr must be a finite number in (0, 1]"),
+        (["train", "--weight-decay", "1e5"], "weight_decay must be a finite number in [0, 333.333]"),
+        (["train", "--seed", str(2**70)], "argument --seed: must be below 2**63"),
+        (["generate", "--prompt", "a", "--seed", str(2**70)], "argument --seed: must be below 2**63"),
+        (["check", "--seed", "-1"], "argument --seed: must be >= 0"),
+    ],
+)
 def test_out_of_range_numbers_name_their_argument(argv, fragment, capsys):
     try:
         code = main(argv)
@@ -471,13 +563,26 @@ def test_training_checks_its_extra_before_writing_anything(tmp_path, text_file, 
     assert "training needs tqdm (the 'train' extra)" in message and 'pip install -e ".[train]"' in message
     assert not out.exists()
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    message = _error(["pattern", "--segment-lengths", "4", "--dilation-rates", "1", "--length", "8", "--heads",
-                      "1", "--out", str(tmp_path / "p.png")], capsys)
+    message = _error(
+        [
+            "pattern",
+            "--segment-lengths",
+            "4",
+            "--dilation-rates",
+            "1",
+            "--length",
+            "8",
+            "--heads",
+            "1",
+            "--out",
+            str(tmp_path / "p.png"),
+        ],
+        capsys,
+    )
     assert "pattern needs matplotlib (the 'plot' extra)" in message and not (tmp_path / "p.png").exists()
 
 
-def test_progress_reports_bits_per_byte_and_the_mean_speed_of_the_interval(tmp_path, text_file, capsys,
-                                                                           monkeypatch):
+def test_progress_reports_bits_per_byte_and_the_mean_speed_of_the_interval(tmp_path, text_file, capsys, monkeypatch):
     from dilated_attention.training import trainer
 
     postfixes = []
@@ -501,7 +606,7 @@ def test_progress_reports_bits_per_byte_and_the_mean_speed_of_the_interval(tmp_p
     records = read_log(run)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("step ")]
     assert len(lines) == 2
-    for line, interval in zip(lines, (records[:3], records[3:])):
+    for line, interval in zip(lines, (records[:3], records[3:]), strict=True):
         tokens = sum(4 * 64 for _ in interval)
         seconds = sum(4 * 64 / r["tokens_per_s"] for r in interval)
         shown = float(line.split(", ")[-1].split(" tokens/s")[0])
@@ -538,7 +643,7 @@ def test_every_failed_write_into_the_run_folder_says_so(tmp_path, text_file, cap
     assert checkpoint.load_checkpoint(run)["step"] == 2
 
 
-@pytest.mark.parametrize("where,value", [(6, 0x80), (10, 8), (10, 99), (8, 1)])
+@pytest.mark.parametrize(("where", "value"), [(6, 0x80), (10, 8), (10, 99), (8, 1)])
 def test_damage_to_the_archive_directory_is_refused_like_any_other(tmp_path, text_file, capsys, where, value):
     run = tmp_path / "run"
     train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
@@ -559,8 +664,7 @@ def test_a_refused_folder_is_left_as_it_was_and_a_symlinked_lock_is_not_followed
     own_config = tmp_path / "conf"
     own_config.mkdir()
     (own_config / "config.json").write_text('{"not": "a run"}')
-    assert "is a folder with files in it" in _error(["train", "--out", str(own_config), "--data", text_file],
-                                                      capsys)
+    assert "is a folder with files in it" in _error(["train", "--out", str(own_config), "--data", text_file], capsys)
     run = tmp_path / "run"
     train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
     precious = tmp_path / "precious.txt"
@@ -582,7 +686,8 @@ def test_empty_folder_names_and_damaged_logs_are_refused(tmp_path, text_file, ca
     for damaged in (log.replace('"step"', '"stap"', 1), log + "[1, 2]\n"):
         (run / "log.jsonl").write_text(damaged)
         assert "is not a step's record: the log is damaged" in _error(
-            ["train", "--resume", str(run), "--steps", "3"], capsys)
+            ["train", "--resume", str(run), "--steps", "3"], capsys
+        )
     (run / "log.jsonl").write_bytes(log.encode() + b"\xff\xfe\n")
     assert "log.jsonl is not UTF-8 text" in _error(["train", "--resume", str(run), "--steps", "3"], capsys)
 
@@ -596,7 +701,11 @@ def test_settings_and_configs_hold_python_numbers_and_sampling_is_checked():
     c = LongNetConfig(dim=numpy.int64(32), heads=4, dropout=numpy.float32(0.1))
     assert type(c.dim) is int and type(c.dropout) is float and json.loads(c.to_json())["dim"] == 32
     logits = torch.randn(2, 8)
-    for kwargs, fragment in [(dict(temperature=-1.0), "temperature must be"), (dict(top_p=2.0), "top_p must be"),
-                             (dict(top_p=float("nan")), "top_p must be"), (dict(top_k=0), "top_k must be >= 1")]:
+    for kwargs, fragment in [
+        (dict(temperature=-1.0), "temperature must be"),
+        (dict(top_p=2.0), "top_p must be"),
+        (dict(top_p=float("nan")), "top_p must be"),
+        (dict(top_k=0), "top_k must be >= 1"),
+    ]:
         with pytest.raises(ValueError, match=fragment):
             sample_next(logits, **kwargs)

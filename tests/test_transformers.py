@@ -7,6 +7,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+# The imports below follow the importorskip (hence E402), which skips this file without transformers.
 from transformers import (  # noqa: E402
     AttentionInterface,
     GPTBigCodeConfig,
@@ -39,13 +40,13 @@ def _reference_forward(module, query, key, value, attention_mask, dropout=0.0, s
     """The same attention through the dense float64 reference (no padding)."""
     groups = module.num_key_value_groups
     key, value = (t.repeat_interleave(groups, dim=1).transpose(1, 2) for t in (key, value))
-    out, _ = reference_dilated_attention(query.transpose(1, 2), key, value, is_causal=True, softmax_scale=scaling,
-                                         **BRANCHES)
+    out, _ = reference_dilated_attention(
+        query.transpose(1, 2), key, value, is_causal=True, softmax_scale=scaling, **BRANCHES
+    )
     return out.to(query.dtype), None
 
 
-def _sink_reference_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, s_aux=None,
-                            **kwargs):
+def _sink_reference_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, s_aux=None, **kwargs):
     """Dilated attention with GPT-OSS's sinks as one dense softmax (no padding), built
     from the definition of ``mixture``: every key weighted by the number of branches
     that see it, and the sink appended as one more logit, as GPT-OSS's eager attention
@@ -53,8 +54,10 @@ def _sink_reference_forward(module, query, key, value, attention_mask, dropout=0
     batch, heads, length, _ = query.shape
     key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
     segs, rates = BRANCHES["segment_lengths"], BRANCHES["dilation_rates"]
-    seen = sum(branch_pattern(length, w, r, offsets, is_causal=True).double()
-               for w, r, offsets in zip(segs, rates, branch_offsets(heads, segs, rates, "mixture")))
+    seen = sum(
+        branch_pattern(length, w, r, offsets, is_causal=True).double()
+        for w, r, offsets in zip(segs, rates, branch_offsets(heads, segs, rates, "mixture"), strict=True)
+    )
     logits = query @ key.transpose(2, 3) * scaling + seen.log()
     logits = torch.cat([logits, s_aux.view(1, heads, 1, 1).expand(batch, heads, length, 1)], dim=-1)
     return (logits.softmax(-1)[..., :-1] @ value).transpose(1, 2), None
@@ -67,8 +70,14 @@ for name, function in (("dilated_reference", _reference_forward), ("dilated_sink
 
 def tiny(family, **changes):
     torch.manual_seed(0)
-    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2)
+    common = dict(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, **changes))
     else:
@@ -112,7 +121,7 @@ def test_dilated_layers_and_gradients_match_the_reference(family):
         results[name] = (logits.detach(), [p.grad.clone() for p in model.parameters()])
     (a, grads_a), (b, grads_b) = results["dilated"], results["dilated_reference"]
     assert float((a - b).abs().max() / b.abs().max()) <= 1e-10
-    for ga, gb in zip(grads_a, grads_b):
+    for ga, gb in zip(grads_a, grads_b, strict=True):
         assert torch.allclose(ga, gb, rtol=1e-9, atol=1e-11)
 
 
@@ -127,14 +136,30 @@ def test_the_attention_function_handles_gqa_left_padding_windows_and_holes():
     mask[1, :7] = False  # row 1: 7 padding slots, then tokens at positions 0 .. 11
     mask[2, 3] = False  # row 2: a window of positions 16 .. 34 (as DilatedCache keeps), one key masked
     positions = torch.stack([torch.arange(14, 19), torch.arange(7, 12), torch.arange(30, 35)])
-    out, weights = dilated_attention_forward(Module(), q, k, v, mask, scaling=0.3, position_ids=positions,
-                                             mode="mixture", head_offsets="interleaved", **BRANCHES)
+    out, weights = dilated_attention_forward(
+        Module(),
+        q,
+        k,
+        v,
+        mask,
+        scaling=0.3,
+        position_ids=positions,
+        mode="mixture",
+        head_offsets="interleaved",
+        **BRANCHES,
+    )
     assert weights is None and out.shape == (3, 5, 6, 8)
     for row, skip, first in ((0, 0, 0), (1, 7, 0), (2, 0, 16)):
         keys = [t[row : row + 1, :, skip:].repeat_interleave(3, dim=1).transpose(1, 2) for t in (k, v)]
-        expected, _ = reference_dilated_attention(q[row : row + 1].transpose(1, 2), *keys, is_causal=True,
-                                                  softmax_scale=0.3, key_padding_mask=~mask[row : row + 1, skip:],
-                                                  key_offset=first, **BRANCHES)
+        expected, _ = reference_dilated_attention(
+            q[row : row + 1].transpose(1, 2),
+            *keys,
+            is_causal=True,
+            softmax_scale=0.3,
+            key_padding_mask=~mask[row : row + 1, skip:],
+            key_offset=first,
+            **BRANCHES,
+        )
         assert torch.allclose(out[row : row + 1], expected, rtol=1e-12, atol=1e-12)
 
 
@@ -149,8 +174,16 @@ def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_n
     # With DilatedCache each layer keeps max(w) - 1 = 7 positions: the window slides
     # through the prompt and past row 1's padding while generating.
     cache = DilatedCache(model) if bounded else None
-    result = model.generate(tokens, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                            output_logits=True, return_dict_in_generate=True, pad_token_id=0, past_key_values=cache)
+    result = model.generate(
+        tokens,
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        past_key_values=cache,
+    )
     for row, length in enumerate([13, 6]):
         sequence = tokens[row : row + 1, 13 - length :]
         for step in range(12):
@@ -217,7 +250,7 @@ def test_a_cache_the_model_does_not_take_is_refused_not_ignored():
     try:
         pieces = [model(part, cache=cache, use_cache=True).logits for part in tokens.split([13, 8], dim=1)]
     except ValueError as error:  # transformers < 5.24: the model passes cache= on unused
-        assert "did not use the DilatedCache passed as cache=" in str(error)
+        assert "did not use the DilatedCache passed as cache=" in str(error)  # noqa: PT017 - either outcome is checked
     else:  # transformers >= 5.24 takes cache=
         assert float((torch.cat(pieces, 1) - expected).abs().max() / expected.abs().max()) <= 1e-12
 
@@ -228,8 +261,17 @@ def test_a_cache_the_model_does_not_take_is_refused_not_ignored():
     q, k, v = (torch.randn(1, 4, 6, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     for keyword in ("cache", "past_key_values"):
         with pytest.raises(ValueError, match=f"did not use the DilatedCache passed as {keyword}=.*past_key_values="):
-            dilated_attention_forward(Module(), q, k, v, None, mode="mixture", head_offsets="interleaved",
-                                      **BRANCHES, **{keyword: DilatedCache(model)})
+            dilated_attention_forward(
+                Module(),
+                q,
+                k,
+                v,
+                None,
+                mode="mixture",
+                head_offsets="interleaved",
+                **BRANCHES,
+                **{keyword: DilatedCache(model)},
+            )
 
 
 @torch.no_grad()
@@ -239,8 +281,15 @@ def test_a_model_that_passes_no_position_ids_uses_the_cache_window():
     bounded cache generates what the default cache does; left padding, whose
     positions such a model does not say, is refused."""
     torch.manual_seed(0)
-    model = GPTBigCodeForCausalLM(GPTBigCodeConfig(n_embd=48, n_layer=2, n_head=6, vocab_size=61, multi_query=True,
-                                                   bos_token_id=0, eos_token_id=None)).double().eval()
+    model = (
+        GPTBigCodeForCausalLM(
+            GPTBigCodeConfig(
+                n_embd=48, n_layer=2, n_head=6, vocab_size=61, multi_query=True, bos_token_id=0, eos_token_id=None
+            )
+        )
+        .double()
+        .eval()
+    )
     model.set_attn_implementation("dilated")
     model.generation_config.eos_token_id = None
     tokens = torch.randint(1, 61, (1, 12))
@@ -248,7 +297,7 @@ def test_a_model_that_passes_no_position_ids_uses_the_cache_window():
     default = model.generate(tokens, **options)
     bounded = model.generate(tokens, **options, past_key_values=DilatedCache(model))
     assert torch.equal(default.sequences, bounded.sequences)
-    assert max(float((a - b).abs().max()) for a, b in zip(default.logits, bounded.logits)) <= 1e-5
+    assert max(float((a - b).abs().max()) for a, b in zip(default.logits, bounded.logits, strict=True)) <= 1e-5
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :7] = 0
     with pytest.raises(ValueError, match="passes no position_ids"):
@@ -262,10 +311,18 @@ def test_an_empty_prompt_row_outputs_nothing_and_a_static_cache_is_refused():
     tokens = torch.randint(1, 61, (2, 10))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1] = 0  # row 1: no prompt at all
-    out = model.generate(tokens, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True)
-    alone = model.generate(tokens[:1], max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True,
-                           return_dict_in_generate=True)
+    out = model.generate(
+        tokens,
+        attention_mask=mask,
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    alone = model.generate(
+        tokens[:1], max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+    )
     assert torch.equal(out.sequences[0], alone.sequences[0])
     with pytest.raises(ValueError, match="a static cache"):
         model.generate(tokens[:1], max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static")
@@ -296,9 +353,18 @@ def tiny_gpt_oss():
     """A GPT-OSS whose layers are all full attention (its sliding layers are refused),
     with sinks large enough to matter."""
     torch.manual_seed(0)
-    config = GptOssConfig(vocab_size=61, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                          num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    config = GptOssConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention"] * 2,
+    )
     config._experts_implementation = "eager"  # the grouped expert kernels take no float64
     model = GptOssForCausalLM(config).double().eval()
     with torch.no_grad():
@@ -335,23 +401,36 @@ def test_attention_sinks_enter_each_softmax_as_gpt_oss_eager_does():
 
     gen = torch.Generator().manual_seed(3)
     sinks = (2 * torch.randn(6, generator=gen, dtype=torch.float64)).requires_grad_()
+    module = Module()
+    module.sinks = sinks
+    attentions = (
+        lambda q, k, v, causal: gpt_oss_eager(module, q, k, v, causal, scaling=0.4),
+        lambda q, k, v, causal: dilated_attention_forward(
+            module,
+            q,
+            k,
+            v,
+            None,
+            scaling=0.4,
+            s_aux=sinks,
+            segment_lengths=[64],
+            dilation_rates=[1],
+            mode="mixture",
+            head_offsets="interleaved",
+        ),
+    )
     for num_queries in (13, 4):
         q = torch.randn(2, 6, num_queries, 8, generator=gen, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(2, 2, 13, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
         causal = torch.full((1, 1, num_queries, 13), float("-inf"), dtype=torch.float64).triu(14 - num_queries)
-        module = Module()
-        module.sinks = sinks
         results = []
-        for run in (lambda: gpt_oss_eager(module, q, k, v, causal, scaling=0.4),
-                    lambda: dilated_attention_forward(module, q, k, v, None, scaling=0.4, s_aux=sinks,
-                                                      segment_lengths=[64], dilation_rates=[1], mode="mixture",
-                                                      head_offsets="interleaved")):
-            out, _ = run()
+        for attend in attentions:
+            out, _ = attend(q, k, v, causal)
             grads = torch.autograd.grad((out * out.detach().cos()).sum(), (q, k, v, sinks))
             results.append((out.detach(), grads))
         (a, grads_a), (b, grads_b) = results
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-13)
-        for ga, gb in zip(grads_a, grads_b):
+        for ga, gb in zip(grads_a, grads_b, strict=True):
             assert torch.allclose(ga, gb, rtol=1e-12, atol=1e-13)
 
 
@@ -374,9 +453,18 @@ def test_gpt_oss_dilated_layers_with_sinks_match_a_dense_reference():
 
 def tiny_llama4(**changes):
     torch.manual_seed(0)
-    config = Llama4TextConfig(vocab_size=61, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48,
-                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                              num_local_experts=2, **changes)
+    config = Llama4TextConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        intermediate_size_mlp=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        **changes,
+    )
     config._experts_implementation = "eager"
     return Llama4ForCausalLM(config).double().eval()
 
@@ -402,11 +490,19 @@ def test_layers_that_are_not_full_attention_are_refused():
     assert float((a - b).abs().max() / a.abs().max()) <= 1e-6
 
 
-@pytest.mark.parametrize("option, value", [
-    ("softcap", 30.0), ("sliding_window", 4), ("head_mask", torch.ones(4)), ("position_bias", torch.zeros(1, 4, 6, 6)),
-    ("sinks", torch.zeros(1, 4, 6, 1)), ("indices", torch.zeros(1, 6, 2, dtype=torch.long)),
-    ("cu_seq_lens_q", torch.tensor([0, 3, 6])), ("s_aux", torch.zeros(1, 4, 6, 1)),
-])
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("softcap", 30.0),
+        ("sliding_window", 4),
+        ("head_mask", torch.ones(4)),
+        ("position_bias", torch.zeros(1, 4, 6, 6)),
+        ("sinks", torch.zeros(1, 4, 6, 1)),
+        ("indices", torch.zeros(1, 6, 2, dtype=torch.long)),
+        ("cu_seq_lens_q", torch.tensor([0, 3, 6])),
+        ("s_aux", torch.zeros(1, 4, 6, 1)),
+    ],
+)
 def test_options_that_change_the_attention_are_refused(option, value):
     class Module(torch.nn.Module):
         is_causal = True
@@ -414,8 +510,9 @@ def test_options_that_change_the_attention_are_refused(option, value):
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 4, 6, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     with pytest.raises(ValueError, match=option):
-        dilated_attention_forward(Module(), q, k, v, None, mode="mixture", head_offsets="interleaved", **BRANCHES,
-                                  **{option: value})
+        dilated_attention_forward(
+            Module(), q, k, v, None, mode="mixture", head_offsets="interleaved", **BRANCHES, **{option: value}
+        )
 
 
 def test_the_core_package_does_not_import_transformers():

@@ -10,18 +10,20 @@ import os
 
 import pytest
 import torch
-from helpers import configs, poison, random_inputs, split_config, windows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
 from dilated_attention.ops import fused
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
+from helpers import configs, poison, random_inputs, split_config, windows
 
 pytest.importorskip("triton")
 # conftest.py sets TRITON_INTERPRET=1 before anything imports Triton.
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="the interpreter tests need TRITON_INTERPRET=1 before Triton is imported")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the interpreter tests need TRITON_INTERPRET=1 before Triton is imported",
+)
 
 # Interpreted kernels run a few programs per second: a handful of drawn cases per
 # property keeps each test to seconds.
@@ -38,8 +40,9 @@ def assert_matches_reference(q, k, v, grad, grad_lse, mask, dtype, attn, key_off
     """The Triton path's output, LSE and gradients against the reference's (by default
     the reference on these very inputs; ``reference``: ``(out, lse)`` rows of the whole
     sequence, for a window, whose gradients are then checked on the window)."""
-    out, lse = dilated_attention(q, k, v, key_padding_mask=mask, key_offset=key_offset, return_lse=True,
-                                 kernel="triton", **attn)
+    out, lse = dilated_attention(
+        q, k, v, key_padding_mask=mask, key_offset=key_offset, return_lse=True, kernel="triton", **attn
+    )
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference_dilated_attention(*ref_in, key_padding_mask=mask, key_offset=key_offset, **attn)
     tol = tolerance(dtype, attn.get("softmax_scale"))
@@ -49,7 +52,7 @@ def assert_matches_reference(q, k, v, grad, grad_lse, mask, dtype, attn, key_off
         assert lse_error(lse, expected_lse) <= tol
     grads = torch.autograd.grad((out, lse), (q, k, v), (grad.to(dtype), grad_lse.float()))
     ref_grads = torch.autograd.grad((ref_out, ref_lse), ref_in, (grad.double(), grad_lse.double()))
-    assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+    assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v), strict=True))
     assert max_relative_error(grads, ref_grads) <= tol
 
 
@@ -77,8 +80,14 @@ def test_triton_windows_with_a_key_offset_per_sequence(case, dtype, data):
     window = [t.detach()[:, start:total].clone().requires_grad_() for t in (k, v)]
     q_window = q.detach()[:, total - queries :].clone().requires_grad_()
     assert_matches_reference(
-        q_window, *window, grad[:, total - queries :], grad_lse[:, total - queries :],
-        None if mask is None else mask[:, start:], dtype, attn, key_offset=shifts + start,
+        q_window,
+        *window,
+        grad[:, total - queries :],
+        grad_lse[:, total - queries :],
+        None if mask is None else mask[:, start:],
+        dtype,
+        attn,
+        key_offset=shifts + start,
         reference=(whole[:, total - queries :], whole_lse[:, total - queries :]),
     )
 
@@ -118,9 +127,17 @@ def test_decode_steps_through_the_cache_run_the_fused_kernels(cfg, data):
     batch, total = cfg["batch"], cfg["seq_len"]
     pads = [data.draw(st.integers(0, total - 1)) for _ in range(batch)]
     prompt = data.draw(st.integers(1, total))
-    cache = DilatedKVCache(batch, cfg["heads"], cfg["head_dim"], attn["segment_lengths"], attn["dilation_rates"],
-                           mode=attn["mode"], head_offsets=attn["head_offsets"],
-                           softmax_scale=attn["softmax_scale"], start=torch.tensor([-p for p in pads]))
+    cache = DilatedKVCache(
+        batch,
+        cfg["heads"],
+        cfg["head_dim"],
+        attn["segment_lengths"],
+        attn["dilation_rates"],
+        mode=attn["mode"],
+        head_offsets=attn["head_offsets"],
+        softmax_scale=attn["softmax_scale"],
+        start=torch.tensor([-p for p in pads]),
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(fused.KERNEL_ENV, "triton")
         outs = [cache.attend(*(t[:, :prompt] for t in tensors))]
@@ -184,8 +201,14 @@ def test_kernel_choice_is_explicit_and_never_silently_changed(monkeypatch):
 
 def test_the_kernels_take_any_head_dim_up_to_256_and_long_segments():
     (q, k, v), (grad, grad_lse), _ = random_inputs(4, 1, 9, 2, 200, dtype=torch.float32)
-    attn = dict(segment_lengths=[2**70, 3], dilation_rates=[2**65, 2], mode="mixture", head_offsets="interleaved",
-                is_causal=True, softmax_scale=None)
+    attn = dict(
+        segment_lengths=[2**70, 3],
+        dilation_rates=[2**65, 2],
+        mode="mixture",
+        head_offsets="interleaved",
+        is_causal=True,
+        softmax_scale=None,
+    )
     assert_matches_reference(q, k, v, grad, grad_lse, None, torch.float32, attn)
 
 
@@ -194,8 +217,14 @@ def test_segment_interiors_take_the_unmasked_tiles_and_stay_exact(is_causal):
     """Long enough segments that whole tiles of keys (forward, dq) and of queries
     (dk, dv) are attended in full by every row, which the kernels run unmasked."""
     (q, k, v), (grad, grad_lse), _ = random_inputs(8, 1, 160, 2, 16, dtype=torch.float32)
-    attn = dict(segment_lengths=[64, 128], dilation_rates=[1, 2], mode="mixture", head_offsets="interleaved",
-                is_causal=is_causal, softmax_scale=None)
+    attn = dict(
+        segment_lengths=[64, 128],
+        dilation_rates=[1, 2],
+        mode="mixture",
+        head_offsets="interleaved",
+        is_causal=is_causal,
+        softmax_scale=None,
+    )
     assert_matches_reference(q, k, v, grad, grad_lse, None, torch.float32, attn)
 
 
@@ -216,8 +245,13 @@ def test_the_kernels_compile_for_the_gpus_they_target():
 
     script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "triton_compile.py")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, script, "--capability", "90", "--head-dims", "64", "--quick"],
-                            capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(
+        [sys.executable, script, "--capability", "90", "--head-dims", "64", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "5 of 5 variants compiled" in result.stdout
 
@@ -233,5 +267,5 @@ def test_compiled_calls_take_the_engine_path():
     compiled = torch.compile(auto, backend="eager", fullgraph=True)
     assert torch.allclose(compiled(q), auto(q), atol=1e-6)
     forced = torch.compile(lambda q: dilated_attention(q, q, q, [4], [1], kernel="triton"), backend="eager")
-    with pytest.raises(Exception, match="under torch.compile and CUDA graph capture"):
+    with pytest.raises(Exception, match=r"under torch\.compile and CUDA graph capture"):
         forced(q)

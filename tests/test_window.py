@@ -3,12 +3,12 @@ output row equals that row of one causal call on the whole sequence."""
 
 import pytest
 import torch
-from helpers import random_inputs, split_config, windows
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import dilated_attention, reference_dilated_attention
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
+from helpers import random_inputs, split_config, windows
 
 
 def window_of(tensors, mask, total, queries, start):
@@ -85,12 +85,21 @@ def test_dropout_masks_follow_positions_in_a_window():
     torch.manual_seed(7)
     whole = dilated_attention(q, k, v, [8, 16], [1, 2], is_causal=True, dropout_p=0.3)
     torch.manual_seed(7)
-    window = dilated_attention(q[:, 27:], k[:, 16:], v[:, 16:], [8, 16], [1, 2], is_causal=True, dropout_p=0.3,
-                               key_offset=torch.tensor([16, 16]))
+    window = dilated_attention(
+        q[:, 27:],
+        k[:, 16:],
+        v[:, 16:],
+        [8, 16],
+        [1, 2],
+        is_causal=True,
+        dropout_p=0.3,
+        key_offset=torch.tensor([16, 16]),
+    )
     assert max_relative_error(window, whole[:, 27:]) <= 1e-12
     torch.manual_seed(7)
-    rows = dilated_attention(q[1:, 27:], k[1:, 16:], v[1:, 16:], [8, 16], [1, 2], is_causal=True,
-                             dropout_p=0.3, key_offset=16)
+    rows = dilated_attention(
+        q[1:, 27:], k[1:, 16:], v[1:, 16:], [8, 16], [1, 2], is_causal=True, dropout_p=0.3, key_offset=16
+    )
     assert max_relative_error(rows, whole[1:, 27:]) > 0.01  # batch row 1 alone is row 0: other masks
 
 

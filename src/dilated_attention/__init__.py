@@ -12,20 +12,20 @@
 What is computed, exactly, is defined in ``docs/definition.md`` of the project.
 """
 
-from .nn import ordering
-from .nn.cache import DilatedKVCache
 from .functional import dilated_attention
+from .nn import ordering as ordering  # re-exported: from dilated_attention import ordering
+from .nn.cache import DilatedKVCache
 from .nn.modules import DilatedAttention, GridAttention, MultiheadDilatedAttention
-from .reference import reference_dilated_attention
 from .nn.static_cache import StaticKVCache
+from .reference import reference_dilated_attention
 
 __all__ = [
-    "dilated_attention",
-    "DilatedKVCache",
-    "StaticKVCache",
     "DilatedAttention",
-    "MultiheadDilatedAttention",
+    "DilatedKVCache",
     "GridAttention",
+    "MultiheadDilatedAttention",
+    "StaticKVCache",
+    "dilated_attention",
     "reference_dilated_attention",
 ]
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ check the fast implementation, or your own setup, on small inputs: memory is
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -23,8 +23,8 @@ def branch_pattern(
     r: int,
     offsets: torch.Tensor,
     is_causal: bool = False,
-    query_positions: Optional[torch.Tensor] = None,
-    key_positions: Optional[torch.Tensor] = None,
+    query_positions: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bool ``(H, N, N)``: ``[h, p, key]`` is True when query ``p`` of head ``h`` (with
     dilation offset ``offsets[h]``) may attend to ``key`` in branch ``(w, r)``.
@@ -58,15 +58,16 @@ def branch_offsets(
     """Per branch, the offset of each head, or ``-1`` where the branch does not run on
     it: in ``mixture`` ``j % r`` (``interleaved``) or ``j // ceil(H / r)``
     (``contiguous``); in ``head_groups`` ``i % r_i`` on group ``i``."""
-    result = []
+    result: list[torch.Tensor] = []
     if mode == "mixture":
         for r in dilation_rates:
             run = -(-num_heads // r)
-            offsets = [j % r if head_offsets == "interleaved" else j // run for j in range(num_heads)]
-            result.append(torch.tensor(offsets))
+            result.append(
+                torch.tensor([j % r if head_offsets == "interleaved" else j // run for j in range(num_heads)])
+            )
     else:
         for i, ((start, stop), r) in enumerate(
-            zip(head_group_bounds(num_heads, len(segment_lengths)), dilation_rates)
+            zip(head_group_bounds(num_heads, len(segment_lengths)), dilation_rates, strict=True)
         ):
             offsets = torch.full((num_heads,), -1)
             offsets[start:stop] = i % r
@@ -99,7 +100,7 @@ def _mix(outs, lses):
     denom = weights.sum(0)
     has_any = denom > 0
     safe = torch.where(has_any, denom, torch.ones_like(denom))
-    out = sum(w.unsqueeze(-1) * o for w, o in zip(weights / safe, outs))
+    out = sum(w.unsqueeze(-1) * o for w, o in zip(weights / safe, outs, strict=True))
     lse = torch.where(has_any, torch.log(safe) + top, torch.full_like(denom, -math.inf))
     return out, lse
 
@@ -114,8 +115,8 @@ def reference_dilated_attention(
     mode: str = "mixture",
     head_offsets: str = "interleaved",
     is_causal: bool = False,
-    softmax_scale: Optional[float] = None,
-    key_padding_mask: Optional[torch.Tensor] = None,
+    softmax_scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
     key_offset=0,
 ):
     """Dense float64 dilated attention. Same arguments as
@@ -133,13 +134,31 @@ def reference_dilated_attention(
     and the NaN rows pass no gradient back.
     """
     call = check_attention(
-        q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask,
-        head_offsets=head_offsets, key_offset=key_offset,
+        q,
+        k,
+        v,
+        segment_lengths,
+        dilation_rates,
+        mode,
+        is_causal,
+        softmax_scale,
+        key_padding_mask,
+        head_offsets=head_offsets,
+        key_offset=key_offset,
     )
     offsets = branch_offsets(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets)
     return _dense_dilated_attention(
-        call.q, call.k, call.v, call.segment_lengths, call.dilation_rates, offsets, call.mode, call.is_causal,
-        call.scale, call.padding, call.key_offsets,
+        call.q,
+        call.k,
+        call.v,
+        call.segment_lengths,
+        call.dilation_rates,
+        offsets,
+        call.mode,
+        call.is_causal,
+        call.scale,
+        call.padding,
+        call.key_offsets,
     )
 
 
@@ -164,7 +183,7 @@ def _dense_dilated_attention(
     k, v = k.masked_fill(cleared, 0.0), v.masked_fill(cleared, 0.0)
     outs, lses = [], []
     reached = torch.zeros_like(bad_q)
-    for w, r, offs in zip(segment_lengths, dilation_rates, offsets):
+    for w, r, offs in zip(segment_lengths, dilation_rates, offsets, strict=True):
         pattern = branch_pattern(seq_len, w, r, offs, is_causal, query_positions, key_positions)  # (B, H, Lq, Lk)
         allowed = pattern.to(q.device) & key_ok[:, None, None, :]
         out, lse = _masked_softmax_attention(q.masked_fill(bad_q.unsqueeze(-1), 0.0), k, v, allowed, scale)

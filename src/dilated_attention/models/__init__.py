@@ -9,4 +9,4 @@ from .config import PRESETS, LongNetConfig
 from .generate import generate, sample_next, stream
 from .longnet import LongNetCache, LongNetLM
 
-__all__ = ["LongNetConfig", "LongNetLM", "LongNetCache", "PRESETS", "generate", "stream", "sample_next"]
+__all__ = ["PRESETS", "LongNetCache", "LongNetConfig", "LongNetLM", "generate", "sample_next", "stream"]

@@ -61,10 +61,12 @@ class LongNetConfig:
             raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim (dim / heads), got {self.head_dim}")
-        object.__setattr__(self, "rotary_base", validation.check_number(self.rotary_base, "rotary_base", 1,
-                                                                        low_open=True))
-        object.__setattr__(self, "layer_norm_eps", validation.check_number(self.layer_norm_eps, "layer_norm_eps", 0,
-                                                                           low_open=True))
+        object.__setattr__(
+            self, "rotary_base", validation.check_number(self.rotary_base, "rotary_base", 1, low_open=True)
+        )
+        object.__setattr__(
+            self, "layer_norm_eps", validation.check_number(self.layer_norm_eps, "layer_norm_eps", 0, low_open=True)
+        )
 
     @property
     def head_dim(self) -> int:
@@ -80,7 +82,7 @@ class LongNetConfig:
         """MAGNETO's initialisation gain for a decoder of ``depth`` layers: ``sqrt(log(2 * depth))``."""
         return math.sqrt(math.log(2 * self.depth))
 
-    def replace(self, **changes) -> "LongNetConfig":
+    def replace(self, **changes) -> LongNetConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,7 +94,7 @@ class LongNetConfig:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LongNetConfig":
+    def from_dict(cls, d: dict) -> LongNetConfig:
         if not isinstance(d, dict):
             raise TypeError(f"a LongNetConfig comes from a dict, got {validation.type_name(d)}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -102,7 +104,7 @@ class LongNetConfig:
         return cls(**d)
 
     @classmethod
-    def from_json(cls, text: str) -> "LongNetConfig":
+    def from_json(cls, text: str) -> LongNetConfig:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -110,7 +112,7 @@ class LongNetConfig:
         return cls.from_dict(d)
 
     @classmethod
-    def preset(cls, name: str, **changes) -> "LongNetConfig":
+    def preset(cls, name: str, **changes) -> LongNetConfig:
         """One of :data:`PRESETS` (``tiny``, ``small``, ``paper_base``), with ``changes``."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; the presets are {sorted(PRESETS)}")
@@ -122,12 +124,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(dim=128, depth=2, heads=4, ffn_dim=512, segment_lengths=(64, 128, 256), dilation_rates=(1, 2, 4)),
     # About 3 M parameters; every branch attends over 512 selected positions, up to 16K back.
     "small": dict(
-        dim=256, depth=4, heads=8, ffn_dim=1024,
-        segment_lengths=(512, 2048, 8192, 16384), dilation_rates=(1, 4, 16, 32),
+        dim=256,
+        depth=4,
+        heads=8,
+        ffn_dim=1024,
+        segment_lengths=(512, 2048, 8192, 16384),
+        dilation_rates=(1, 4, 16, 32),
     ),
     # LongNet's base model (Ding et al. 2023, section 4.1): 768 dims, 12 layers, 12 heads.
     "paper_base": dict(
-        dim=768, depth=12, heads=12, ffn_dim=3072,
-        segment_lengths=(2048, 4096, 8192, 16384, 32768), dilation_rates=(1, 2, 4, 6, 12),
+        dim=768,
+        depth=12,
+        heads=12,
+        ffn_dim=3072,
+        segment_lengths=(2048, 4096, 8192, 16384, 32768),
+        dilation_rates=(1, 2, 4, 6, 12),
     ),
 }

@@ -3,7 +3,7 @@ segment, however long the text grows."""
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
@@ -18,8 +18,13 @@ def _check_sampling(temperature, top_k, top_p) -> None:
         validation.check_number(top_p, "top_p", 0, 1, low_open=True)
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """``logits`` ``(B, V)`` -> ``(B,)`` token ids: the likeliest with ``temperature=0``,
     else drawn from ``softmax(logits / temperature)`` kept to the ``top_k`` likeliest
     tokens and to the smallest set whose probability reaches ``top_p``."""
@@ -49,9 +54,17 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
 
 
 @torch.inference_mode()  # a decode step's small operations cost less without autograd's bookkeeping
-def stream(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-           top_k: Optional[int] = None, top_p: Optional[float] = None,
-           generator: Optional[torch.Generator] = None, cache=None) -> Iterator[torch.Tensor]:
+def stream(
+    model,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    cache=None,
+) -> Iterator[torch.Tensor]:
     """Yield ``max_new_tokens`` tokens ``(B,)``, one step at a time, after ``prompt``
     (``(P,)`` or ``(B, P)``, ``P >= 1``). The prompt is fed in chunks of the longest
     segment, each new token alone, all through one cache (``cache``, or a new one), in
@@ -62,8 +75,10 @@ def stream(model, prompt: torch.Tensor, max_new_tokens: int, *, temperature: flo
         raise TypeError(f"prompt must be a tensor of token ids, got {validation.type_name(prompt)}")
     tokens = prompt.unsqueeze(0) if prompt.dim() == 1 else prompt
     if tokens.dim() != 2 or tokens.shape[1] < 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-        raise ValueError(f"prompt must be integer token ids of shape (P,) or (batch, P) with P >= 1, got "
-                         f"{prompt.dtype} of shape {tuple(prompt.shape)}")
+        raise ValueError(
+            f"prompt must be integer token ids of shape (P,) or (batch, P) with P >= 1, got "
+            f"{prompt.dtype} of shape {tuple(prompt.shape)}"
+        )
     device = next(model.parameters()).device
     tokens = tokens.to(device, torch.long)
     was_training = model.training

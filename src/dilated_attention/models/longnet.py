@@ -16,17 +16,17 @@ a tied LM head starts with logits of unit scale).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..ops import validation
 from ..nn.cache import DilatedKVCache, check_batch
 from ..nn.modules import MultiheadDilatedAttention, sequence_positions
 from ..nn.rotary import RotaryEmbedding
+from ..ops import validation
 from .config import LongNetConfig
 
 
@@ -54,15 +54,22 @@ class LongNetBlock(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, config.rotary_base) if config.positions == "rotary" else None
         self.attention_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
         self.attention = MultiheadDilatedAttention(
-            config.dim, config.heads, config.segment_lengths, config.dilation_rates, mode=config.mode,
-            head_offsets=config.head_offsets, dropout=config.dropout, layer_norm_eps=config.layer_norm_eps,
-            gamma_init=config.gamma, rotary=rotary,
+            config.dim,
+            config.heads,
+            config.segment_lengths,
+            config.dilation_rates,
+            mode=config.mode,
+            head_offsets=config.head_offsets,
+            dropout=config.dropout,
+            layer_norm_eps=config.layer_norm_eps,
+            gamma_init=config.gamma,
+            rotary=rotary,
         )
         self.ffn_norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
         self.ffn = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, positions, cache: Optional[DilatedKVCache] = None, process_group=None) -> torch.Tensor:
+    def forward(self, x, positions, cache: DilatedKVCache | None = None, process_group=None) -> torch.Tensor:
         y, _ = self.attention(
             self.attention_norm(x), is_causal=True, positions=positions, cache=cache, process_group=process_group
         )
@@ -138,26 +145,30 @@ class LongNetLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def new_cache(self, batch_size: int, *, start=0, dtype=None, device=None, static: bool = False,
-                  max_chunk: int = 1) -> LongNetCache:
+    def new_cache(
+        self, batch_size: int, *, start=0, dtype=None, device=None, static: bool = False, max_chunk: int = 1
+    ) -> LongNetCache:
         """An empty cache for ``batch_size`` sequences (dtype: by default that of the
         projections, the autocast dtype inside ``torch.autocast``; device: the
         parameters'; ``start``: see :class:`dilated_attention.DilatedKVCache`;
         ``static``: :class:`dilated_attention.StaticKVCache` layers taking up to
         ``max_chunk`` tokens a call, for ``torch.compile`` and CUDA graphs)."""
-        return LongNetCache([
-            block.attention.new_cache(batch_size, start=start, dtype=dtype, device=device, static=static,
-                                      max_chunk=max_chunk)
-            for block in self.blocks
-        ])
+        return LongNetCache(
+            [
+                cast(LongNetBlock, block).attention.new_cache(
+                    batch_size, start=start, dtype=dtype, device=device, static=static, max_chunk=max_chunk
+                )
+                for block in self.blocks
+            ]
+        )
 
     def forward(
         self,
         tokens: torch.Tensor,
         *,
-        cache: Optional[LongNetCache] = None,
+        cache: LongNetCache | None = None,
         process_group=None,
-        positions: Optional[torch.Tensor] = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``tokens`` ``(B, N)`` ints in ``[0, vocab_size)`` -> logits ``(B, N, vocab_size)``
         (float32, or the parameters' dtype).

@@ -7,4 +7,4 @@ from .cache import DilatedKVCache
 from .modules import DilatedAttention, GridAttention, MultiheadDilatedAttention
 from .static_cache import StaticKVCache
 
-__all__ = ["DilatedAttention", "MultiheadDilatedAttention", "GridAttention", "DilatedKVCache", "StaticKVCache"]
+__all__ = ["DilatedAttention", "DilatedKVCache", "GridAttention", "MultiheadDilatedAttention", "StaticKVCache"]

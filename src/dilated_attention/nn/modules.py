@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from ..functional import dilated_attention
 from ..ops import validation
 from .cache import DilatedKVCache, check_batch
-from .static_cache import StaticKVCache
-from ..functional import dilated_attention
 from .ordering import ORDERS, apply, grid_order, invert
+from .static_cache import StaticKVCache
 
 
 def _refuse_mismatch(module: nn.Module, saved: dict, mine: dict) -> None:
@@ -56,7 +56,7 @@ class DilatedAttention(nn.Module):
         *,
         mode: str = "mixture",
         head_offsets: str = "interleaved",
-        softmax_scale: Optional[float] = None,
+        softmax_scale: float | None = None,
         dropout: float = 0.0,
         layout: str = "bnhd",
     ):
@@ -76,7 +76,7 @@ class DilatedAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         is_causal: bool = False,
-        key_padding_mask: Optional[torch.Tensor] = None,
+        key_padding_mask: torch.Tensor | None = None,
         process_group=None,
         key_offset=0,
     ) -> torch.Tensor:
@@ -211,8 +211,7 @@ class MultiheadDilatedAttention(nn.Module):
     def set_extra_state(self, state) -> None:
         _refuse_mismatch(self, dict(state), self.get_extra_state())
 
-    def new_cache(self, batch: int, *, start=0, dtype=None, device=None, static: bool = False,
-                  max_chunk: int = 1):
+    def new_cache(self, batch: int, *, start=0, dtype=None, device=None, static: bool = False, max_chunk: int = 1):
         """An empty :class:`dilated_attention.DilatedKVCache` for ``batch`` sequences that
         matches this module's heads and attention (with ``static``, a
         :class:`dilated_attention.StaticKVCache` taking up to ``max_chunk`` positions a
@@ -224,19 +223,31 @@ class MultiheadDilatedAttention(nn.Module):
         if dtype is None and torch.is_autocast_enabled(weight.device.type):
             dtype = torch.get_autocast_dtype(weight.device.type)
         attention = self.attention
-        kind, extra = (StaticKVCache, {"max_chunk": max_chunk}) if validation.check_flag(static, "static") else (
-            DilatedKVCache, {})
+        kind, extra = (
+            (StaticKVCache, {"max_chunk": max_chunk})
+            if validation.check_flag(static, "static")
+            else (DilatedKVCache, {})
+        )
         return kind(
-            batch, self.num_heads, self.embed_dim // self.num_heads, attention.segment_lengths,
-            attention.dilation_rates, mode=attention.mode, head_offsets=attention.head_offsets,
-            softmax_scale=attention.softmax_scale, start=start, dtype=dtype or weight.dtype,
-            device=weight.device if device is None else device, **extra,
+            batch,
+            self.num_heads,
+            self.embed_dim // self.num_heads,
+            attention.segment_lengths,
+            attention.dilation_rates,
+            mode=attention.mode,
+            head_offsets=attention.head_offsets,
+            softmax_scale=attention.softmax_scale,
+            start=start,
+            dtype=dtype or weight.dtype,
+            device=weight.device if device is None else device,
+            **extra,
         )
 
     def _check_cache(self, cache, batch: int, is_causal, key_padding_mask, process_group) -> None:
         if not isinstance(cache, (DilatedKVCache, StaticKVCache)):
-            raise TypeError(f"cache must be a DilatedKVCache or StaticKVCache (see new_cache), got "
-                            f"{validation.type_name(cache)}")
+            raise TypeError(
+                f"cache must be a DilatedKVCache or StaticKVCache (see new_cache), got {validation.type_name(cache)}"
+            )
         check_batch(cache.shape[0], batch, "query")
         if not is_causal or key_padding_mask is not None or process_group is not None:
             raise ValueError(
@@ -246,10 +257,25 @@ class MultiheadDilatedAttention(nn.Module):
         if self.training and self.attention.dropout > 0:
             raise ValueError("a cache computes without dropout: call .eval() first (or build with dropout=0)")
         attention, head_dim = self.attention, self.embed_dim // self.num_heads
-        mine = (self.num_heads, head_dim, attention.segment_lengths, attention.dilation_rates, attention.mode,
-                attention.head_offsets, validation.check_scale(attention.softmax_scale, head_dim))
-        theirs = (cache.shape[1], cache.shape[2], cache.segment_lengths, cache.dilation_rates, cache.mode,
-                  cache.head_offsets, cache.softmax_scale)
+        mine = (
+            self.num_heads,
+            head_dim,
+            attention.segment_lengths,
+            attention.dilation_rates,
+            attention.mode,
+            attention.head_offsets,
+            validation.check_scale(attention.softmax_scale, head_dim),
+        )
+        # TEMPORARY: cache.configure sets these attributes, which the caches do not declare yet.
+        theirs = (
+            cache.shape[1],
+            cache.shape[2],
+            cache.segment_lengths,  # type: ignore[union-attr]
+            cache.dilation_rates,  # type: ignore[union-attr]
+            cache.mode,  # type: ignore[union-attr]
+            cache.head_offsets,  # type: ignore[union-attr]
+            cache.softmax_scale,  # type: ignore[union-attr]
+        )
         if mine != theirs:
             raise ValueError(
                 f"the cache was built for (heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets, "
@@ -259,15 +285,15 @@ class MultiheadDilatedAttention(nn.Module):
     def forward(
         self,
         query: torch.Tensor,
-        key: Optional[torch.Tensor] = None,
-        value: Optional[torch.Tensor] = None,
-        key_padding_mask: Optional[torch.Tensor] = None,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         is_causal: bool = False,
         process_group=None,
         *,
-        positions: Optional[torch.Tensor] = None,
-        cache: Optional[DilatedKVCache] = None,
+        positions: torch.Tensor | None = None,
+        cache: DilatedKVCache | None = None,
     ) -> tuple[torch.Tensor, None]:
         """``query`` (and ``key``, ``value``, which default to it) ``(B, N, embed_dim)``
         (``(N, B, embed_dim)`` with ``batch_first=False``) -> ``(output, None)`` in the
@@ -333,8 +359,9 @@ class MultiheadDilatedAttention(nn.Module):
         if cache is not None:
             x = cache.attend(q, k, v)
         else:
-            x = self.attention(q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask,
-                               process_group=process_group)
+            x = self.attention(
+                q, k, v, is_causal=is_causal, key_padding_mask=key_padding_mask, process_group=process_group
+            )
         x = x.flatten(-2)
         if self.norm is not None:
             x = self.norm(x)
@@ -370,8 +397,14 @@ class GridAttention(nn.Module):
         self.attention, self.order = attention, order
         self.extra_tokens = validation.check_non_negative_int(extra_tokens, "extra_tokens")
 
-    def forward(self, x: torch.Tensor, grid: Sequence[int], key_padding_mask: Optional[torch.Tensor] = None,
-                process_group=None, **kwargs):
+    def forward(
+        self,
+        x: torch.Tensor,
+        grid: Sequence[int],
+        key_padding_mask: torch.Tensor | None = None,
+        process_group=None,
+        **kwargs,
+    ):
         """``(output, ...)`` as ``attention`` returns it, the output in ``x``'s order."""
         if process_group is not None:
             return self.attention(x, key_padding_mask=key_padding_mask, process_group=process_group, **kwargs)

@@ -132,8 +132,9 @@ def positions(order: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def shard(x: torch.Tensor, order: torch.Tensor, rank: int, world_size: int, extra_tokens: int = 0,
-          dim: int = 1) -> torch.Tensor:
+def shard(
+    x: torch.Tensor, order: torch.Tensor, rank: int, world_size: int, extra_tokens: int = 0, dim: int = 1
+) -> torch.Tensor:
     """Rank ``rank``'s contiguous piece of ``apply(x, order, extra_tokens)`` when the
     ordered sequence is cut into ``world_size`` pieces (as ``torch.tensor_split``
     cuts it: the first ``N % world_size`` pieces one token longer), without forming
@@ -195,9 +196,9 @@ def _zorder(height: int, width: int) -> torch.Tensor:
             else:
                 half = side // 2
                 quadrants = [(r, c) for r in (0, half) for c in (0, half) if r < rows and c < cols]
-                walks[key] = torch.cat([
-                    walk(half, min(half, rows - r), min(half, cols - c)) + (r * width + c) for r, c in quadrants
-                ])
+                walks[key] = torch.cat(
+                    [walk(half, min(half, rows - r), min(half, cols - c)) + (r * width + c) for r, c in quadrants]
+                )
         return walks[key]
 
     return walk(1 << max(height - 1, width - 1).bit_length(), height, width)

@@ -16,7 +16,7 @@ A :class:`Communicator` is the process group as the caller holds it: pass one as
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,18 @@ class Communicator:
     run (each call keeps its own record: the backward of an earlier call, say an
     earlier layer, adds to that call's, which the caller may have kept)."""
 
-    def __init__(self, group=None):
-        self.group = dist.group.WORLD if group is None else group
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self._group = group
         self.traffic = Traffic()
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The group given, else the default group, looked up when used: a communicator
+        made before ``init_process_group`` uses the group it makes."""
+        group = dist.group.WORLD if self._group is None else self._group
+        if group is None:
+            raise ValueError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+        return group
 
     def transfer(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor]):
         """Post one message to and from each peer (ranks of the group); the works to wait on."""
@@ -64,16 +73,23 @@ def _settings(call, dropout_p: float) -> dict:
     """What every rank must agree on, by the name used in error messages."""
     batch, _, heads, head_dim = call.shape
     return {
-        "batch": batch, "heads": heads, "head_dim": head_dim, "dtype": str(call.q.dtype),
-        "device type": call.q.device.type, "mode": call.mode, "head_offsets": call.head_offsets,
+        "batch": batch,
+        "heads": heads,
+        "head_dim": head_dim,
+        "dtype": str(call.q.dtype),
+        "device type": call.q.device.type,
+        "mode": call.mode,
+        "head_offsets": call.head_offsets,
         "is_causal": call.is_causal,
         "key_padding_mask (given or None)": call.padding is not None,
-        "segment_lengths": list(call.segment_lengths), "dilation_rates": list(call.dilation_rates),
-        "softmax_scale": call.scale, "dropout_p": dropout_p,
+        "segment_lengths": list(call.segment_lengths),
+        "dilation_rates": list(call.dilation_rates),
+        "softmax_scale": call.scale,
+        "dropout_p": dropout_p,
     }
 
 
-def agree(group, call, dropout_p: float, error: Optional[Exception]) -> tuple[list[int], Optional[int]]:
+def agree(group, call, dropout_p: float, error: Exception | None) -> tuple[list[int], int | None]:
     """All-gather every rank's configuration, or the error its input raised; return
     the shard lengths and rank 0's dropout seed (``None`` without dropout).
 
@@ -84,7 +100,7 @@ def agree(group, call, dropout_p: float, error: Optional[Exception]) -> tuple[li
         mine = {"length": call.shape[1], "seed": seed, "settings": _settings(call, dropout_p)}
     else:
         mine = {"error": (type(error).__name__, str(error))}
-    table = [None] * dist.get_world_size(group)
+    table: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(table, mine, group=group)
     for rank, entry in enumerate(table):
         if "error" in entry:
@@ -117,7 +133,7 @@ class Exchange:
     dim: int
     dtype: torch.dtype
     device: torch.device
-    seed: Optional[torch.Tensor] = None
+    seed: torch.Tensor | None = None
     traffic: Traffic = field(default_factory=Traffic)
     received: tuple = ((), ())
     _pending: list = field(default_factory=list)
@@ -130,7 +146,7 @@ class Exchange:
             peer: _head_unions([rows for rows, _ in pairs], self.device) for peer, pairs in self.plan.receives
         }
 
-    def start_forward(self, k: torch.Tensor, v: torch.Tensor, padding: Optional[torch.Tensor]) -> None:
+    def start_forward(self, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None) -> None:
         """Post the transfer of key/value rows. A message carries, per head, the union
         of the rows all branches need from that peer (each row once), then, with a
         mask, one mask value per distinct row."""
@@ -138,6 +154,7 @@ class Exchange:
         for peer, unions in self.unions_to.items():
             parts = [t[:, rows, head].reshape(-1) for t in (k, v) for head, rows in unions.items()]
             if self.masked:
+                assert padding is not None  # masked: this call has a key padding mask
                 parts.append(padding[:, _all_rows(unions)].to(k.dtype).reshape(-1))
             outgoing[peer] = torch.cat(parts)
         self._incoming = {}
@@ -161,9 +178,9 @@ class Exchange:
             per_head = []
             for _ in range(2):  # keys, then values: head -> (B, rows, D)
                 tensors = {}
-                for head, rows in unions.items():
-                    n = self.batch * len(rows) * self.dim
-                    tensors[head] = buf[at : at + n].view(self.batch, len(rows), self.dim)
+                for head, head_rows in unions.items():
+                    n = self.batch * len(head_rows) * self.dim
+                    tensors[head] = buf[at : at + n].view(self.batch, len(head_rows), self.dim)
                     at += n
                 per_head.append(tensors)
             mask_rows = _all_rows(unions)
@@ -195,14 +212,15 @@ class Exchange:
             ]
             for rows, _ in pairs:
                 wanted = rows.positions(self.device).flatten()
-                for grad, total in zip(key_grads[index], sums):
+                for grad, total in zip(key_grads[index], sums, strict=True):
                     for slot, h in enumerate(rows.head_indices):
                         total[h].index_add_(1, torch.searchsorted(unions[h], wanted), grad[:, :, slot].to(acc))
                 index += 1
             outgoing[peer] = torch.cat([t.to(self.dtype).reshape(-1) for total in sums for t in total.values()])
         self._incoming = {
-            peer: torch.empty(2 * self.batch * self.dim * sum(len(r) for r in unions.values()),
-                              dtype=self.dtype, device=self.device)
+            peer: torch.empty(
+                2 * self.batch * self.dim * sum(len(r) for r in unions.values()), dtype=self.dtype, device=self.device
+            )
             for peer, unions in self.unions_to.items()
         }
         self._pending = self.communicator.transfer(outgoing, self._incoming)
@@ -242,7 +260,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def make_exchange(process_group, call, dropout_p: float, error: Optional[Exception]) -> Exchange:
+def make_exchange(process_group, call, dropout_p: float, error: Exception | None) -> Exchange:
     """Check that the ranks' inputs are valid and agree (see :func:`agree`), and plan
     this rank's part. ``process_group``: a group or a :class:`Communicator`; ``call``:
     this rank's validated call, or ``None`` with the ``error`` its validation raised."""
@@ -256,12 +274,18 @@ def make_exchange(process_group, call, dropout_p: float, error: Optional[Excepti
     lengths, seed = agree(group, call, dropout_p, error)
     batch, _, heads, dim = call.shape
     plan = make_shard_plan(
-        lengths, dist.get_rank(group), heads, call.segment_lengths, call.dilation_rates, call.mode, call.is_causal,
+        lengths,
+        dist.get_rank(group),
+        heads,
+        call.segment_lengths,
+        call.dilation_rates,
+        call.mode,
+        call.is_causal,
         call.head_offsets,
     )
     device = call.q.device
-    seed = None if seed is None else torch.tensor(seed, dtype=torch.int64, device=device)
-    return Exchange(communicator, plan, call.padding is not None, batch, dim, call.q.dtype, device, seed)
+    seed_tensor = None if seed is None else torch.tensor(seed, dtype=torch.int64, device=device)
+    return Exchange(communicator, plan, call.padding is not None, batch, dim, call.q.dtype, device, seed_tensor)
 
 
 def shard_start(process_group, length: int) -> int:

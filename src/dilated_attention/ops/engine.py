@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 
 from . import fused
 from .dropout import DropoutMask, column_keys, row_keys
-from .kernels import accumulator
+from .kernels import Kernel, accumulator
 from .plan import Block, FusedPlan, Rows, key_heads
 from .validation import TORCH_FUNC_REFUSAL
 
@@ -62,12 +61,12 @@ class EngineConfig:
     scale: float
     dropout_p: float
     out_scale: float
-    kernel: type
+    kernel: type[Kernel] | None
     query_position: int = 0
     key_position: int = 0
-    batch_rows: Optional[tuple[int, ...]] = None
+    batch_rows: tuple[int, ...] | None = None
     keys_checked: bool = False
-    fused: Optional[FusedPlan] = None
+    fused: FusedPlan | None = None
 
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:
@@ -95,7 +94,7 @@ def _known_empty(flags: torch.Tensor) -> bool:
     return _checks_are_free(flags) and not bool(flags.any())
 
 
-def nonfinite_rows(*tensors: torch.Tensor) -> Optional[torch.Tensor]:
+def nonfinite_rows(*tensors: torch.Tensor) -> torch.Tensor | None:
     """Rows ``(B, N, H)`` where any of ``tensors`` holds a NaN or an infinity; ``None``
     where there are known to be none. The fused kernels let such values leak into
     rows that do not attend to them (a causal future key's value times probability
@@ -118,10 +117,10 @@ class KeySource:
 
     k: torch.Tensor
     v: torch.Tensor
-    padding: Optional[torch.Tensor]
+    padding: torch.Tensor | None
     first_position: int
     step: int = 1
-    bad: Optional[torch.Tensor] = None
+    bad: torch.Tensor | None = None
 
     def positions(self, rows: Rows) -> torch.Tensor:
         """Sequence positions of ``rows`` of this source, ``(nseg, count)``."""
@@ -153,7 +152,7 @@ def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[-1] == 1 or x.stride(-1) == 1 else x.contiguous()
 
 
-def _key_mask(pad: Optional[torch.Tensor], dtype, is_causal: bool):
+def _key_mask(pad: torch.Tensor | None, dtype, is_causal: bool):
     """From padded keys ``(B', L)`` (bool): the additive bias ``(B', 1, 1, L)`` and the
     query rows left with no key ``(B', 1, L or 1)``; ``(None, None)`` without a mask.
     Causal blocks are square (queries are the keys' rows)."""
@@ -173,7 +172,7 @@ def _clean(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bad):
     return q.masked_fill(q_rows, 0.0), k.masked_fill(kv_rows, 0.0), v.masked_fill(kv_rows, 0.0)
 
 
-def _reached_rows(bad, pad: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
+def _reached_rows(bad, pad: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
     """Query rows ``(B', h, Lq)`` that a non-finite value reaches: one in the query
     itself, or in an unpadded key it attends to (key flags ``(B', h_k, Lk)``)."""
     bad_q, bad_k = bad
@@ -200,16 +199,16 @@ class KeyRows:
     ``h / h_k`` consecutive query heads of the block (the kernels broadcast it)."""
 
     rows: Rows
-    index: Optional[torch.Tensor] = None
+    index: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, rows: Rows, num_heads: int, groups: int) -> "KeyRows":
+    def of(cls, rows: Rows, num_heads: int, groups: int) -> KeyRows:
         """The key rows for the query heads of ``rows`` (indices among ``num_heads``),
         each ``groups`` consecutive query heads sharing one key/value head."""
         if groups == 1:
             return cls(rows)
         kv, _, index = key_heads(rows.heads.indices(num_heads), groups)
-        if index is None:
+        if kv is not None:
             return cls(replace(rows, heads=slice(*kv)))
         return cls(replace(rows, heads=slice(0, num_heads // groups)), torch.tensor(index))
 
@@ -236,10 +235,10 @@ class _Call:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    pad: Optional[torch.Tensor]
-    bad: Optional[tuple[torch.Tensor, torch.Tensor]]
+    pad: torch.Tensor | None
+    bad: tuple[torch.Tensor, torch.Tensor] | None
     is_causal: bool
-    dropout: Optional[DropoutMask]
+    dropout: DropoutMask | None
     keys: KeyRows
 
 
@@ -255,6 +254,7 @@ def _call(cfg: EngineConfig, block: Block, q, bad_q, source: KeySource, seed, gr
         query_flags = block.queries.select(bad_q) if bad_q is not None else None
         key_flags = keys.select(source.bad) if source.bad is not None else None
         if query_flags is None:
+            assert key_flags is not None  # the keys' flags, when the queries have none
             query_flags = key_flags.new_zeros(*key_flags.shape[:2], block.queries.count, block.queries.head_count)
         if key_flags is None:
             kv_head_count = keys.rows.head_count if keys.index is None else len(keys.index)
@@ -269,8 +269,14 @@ def _call(cfg: EngineConfig, block: Block, q, bad_q, source: KeySource, seed, gr
         keys_of_rows = row_keys(seed, rows.to(q.device), heads, positions)
         dropout = DropoutMask(cfg.dropout_p, _to_kernel(keys_of_rows), columns)
     return _Call(
-        _to_kernel(block.queries.select(q)), _to_kernel(keys.select(source.k)), _to_kernel(keys.select(source.v)),
-        pad, bad, block.is_causal, dropout, keys,
+        _to_kernel(block.queries.select(q)),
+        _to_kernel(keys.select(source.k)),
+        _to_kernel(keys.select(source.v)),
+        pad,
+        bad,
+        block.is_causal,
+        dropout,
+        keys,
     )
 
 
@@ -281,13 +287,14 @@ def _attend(cfg: EngineConfig, call: _Call):
     and a row with no key is ``0``, ``-inf``."""
     q, k, v = _clean(call.q, call.k, call.v, call.bad)
     bias, empty = _key_mask(call.pad, q.dtype, call.is_causal)
-    o, l = cfg.kernel.forward(q, k, v, bias, call.is_causal, cfg.scale, call.dropout)
+    assert cfg.kernel is not None  # None only where the fused kernels run the whole call
+    o, lse = cfg.kernel.forward(q, k, v, bias, call.is_causal, cfg.scale, call.dropout)
     if call.bad is not None:
         reached = _reached_rows(call.bad, call.pad, call.is_causal)
-        o, l = o.masked_fill(reached.unsqueeze(-1), math.nan), l.masked_fill(reached, math.nan)
+        o, lse = o.masked_fill(reached.unsqueeze(-1), math.nan), lse.masked_fill(reached, math.nan)
     if empty is not None:
-        o, l = o.masked_fill(empty.unsqueeze(-1), 0.0), l.masked_fill(empty, -math.inf)
-    return o, l
+        o, lse = o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, -math.inf)
+    return o, lse
 
 
 def _attend_backward(cfg: EngineConfig, call: _Call, grad, out, lse, lse_grad):
@@ -306,6 +313,7 @@ def _attend_backward(cfg: EngineConfig, call: _Call, grad, out, lse, lse_grad):
         split = lse_grad.abs().clamp(min=1.0).sqrt()
         q, k, v = (_append_column(t, 0.0) for t in (q, k, v))
         out, grad = _append_column(out, split), _append_column(grad, -lse_grad / split)
+    assert cfg.kernel is not None  # None only where the fused kernels run the whole call
     dq, dk, dv = cfg.kernel.backward(grad, q, k, v, out, lse, bias, call.is_causal, cfg.scale, call.dropout)
     return dq[..., :dim], dk[..., :dim], dv[..., :dim]
 
@@ -330,15 +338,15 @@ def _write(dst: torch.Tensor, src: torch.Tensor, fresh: bool, scale: float = 1.0
             dst.mul_(scale)
 
 
-def merge_into(out, lse, o, l, scale: float = 1.0) -> None:
-    """In place: ``lse <- logaddexp(lse, l)``,
-    ``out <- out * e^(lse_old - lse) + scale * o * e^(l - lse)``.
+def merge_into(out, lse, o, o_lse, scale: float = 1.0) -> None:
+    """In place: ``lse <- logaddexp(lse, o_lse)``,
+    ``out <- out * e^(lse_old - lse) + scale * o * e^(o_lse - lse)``.
 
     ``out`` ``(..., D)`` and ``lse`` ``(...)`` are views into the running buffers; ``out``
     already carries the factor ``scale``."""
-    new = torch.logaddexp(lse, l)
+    new = torch.logaddexp(lse, o_lse)
     base = new.nan_to_num(nan=math.nan, neginf=0.0)  # -inf (no key yet) -> 0; NaN stays
-    out.mul_((lse - base).exp_().unsqueeze(-1)).addcmul_(o, (l - base).exp_().unsqueeze(-1), value=scale)
+    out.mul_((lse - base).exp_().unsqueeze(-1)).addcmul_(o, (o_lse - base).exp_().unsqueeze(-1), value=scale)
     lse.copy_(new)
 
 
@@ -378,8 +386,18 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
     have run, so that the transfer overlaps them, and its blocks are merged in."""
     if cfg.fused is not None:
         plan = cfg.fused
-        return fused.kernels().forward(q, k, v, padding, plan.key_starts, plan.table, plan.is_causal, cfg.scale,
-                                       cfg.out_scale, _any_nonfinite(q, k, v, key_flags, cfg))
+        return fused.kernels().forward(
+            q,
+            k,
+            v,
+            padding,
+            plan.key_starts,
+            plan.table,
+            plan.is_causal,
+            cfg.scale,
+            cfg.out_scale,
+            _any_nonfinite(q, k, v, key_flags, cfg),
+        )
     batch, length, heads, dim = q.shape
     out = _buffer(q.shape, _accumulation_dtype(q.dtype, cfg, exchange is not None), q.device, cfg, 0.0)
     lse = _buffer((batch, length, heads), accumulator(q.dtype), q.device, cfg, -math.inf)
@@ -389,14 +407,14 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
 
     def run(blocks):
         for block in _calls(blocks, cfg.max_call_elements, batch, dim):
-            o, l = _attend(cfg, _call(cfg, block, q, bad_q, sources[block.source], seed, groups))
-            o, l = _from_kernel(o, batch), _from_kernel(l, batch)
+            o, o_lse = _attend(cfg, _call(cfg, block, q, bad_q, sources[block.source], seed, groups))
+            o, o_lse = _from_kernel(o, batch), _from_kernel(o_lse, batch)
             out_view, lse_view = block.queries.select(out), block.queries.select(lse)
             if block.fresh:
                 _write(out_view, o, True, cfg.out_scale)
-                lse_view.copy_(l)
+                lse_view.copy_(o_lse)
             else:
-                merge_into(out_view, lse_view, o, l, cfg.out_scale)
+                merge_into(out_view, lse_view, o, o_lse, cfg.out_scale)
 
     run(cfg.blocks)
     if exchange is not None:
@@ -406,9 +424,7 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
     return out.to(q.dtype), lse
 
 
-def engine_backward(
-    grad_out, grad_lse, q, k, v, padding, seed, key_flags, out, lse, cfg: EngineConfig, exchange=None
-):
+def engine_backward(grad_out, grad_lse, q, k, v, padding, seed, key_flags, out, lse, cfg: EngineConfig, exchange=None):
     """``dq, dk, dv`` given ``grad_out`` and ``grad_lse`` (either may be ``None``: no
     gradient reaches that output); ``out``/``lse`` as returned by :func:`engine_forward`.
 
@@ -423,8 +439,19 @@ def engine_backward(
     if cfg.fused is not None:
         plan = cfg.fused
         return fused.kernels().backward(
-            torch.zeros_like(out) if grad_out is None else grad_out, q, k, v, out, lse, grad_lse, padding,
-            plan.key_starts, plan.table, plan.is_causal, cfg.scale, cfg.out_scale,
+            torch.zeros_like(out) if grad_out is None else grad_out,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            grad_lse,
+            padding,
+            plan.key_starts,
+            plan.table,
+            plan.is_causal,
+            cfg.scale,
+            cfg.out_scale,
             _any_nonfinite(q, k, v, key_flags, cfg),
         )
     batch, _, _, dim = q.shape
@@ -517,8 +544,18 @@ class DilatedAttentionFunction(torch.autograd.Function):
             )
         q, k, v, padding, seed, key_flags, out, lse = ctx.saved_tensors
         grads = engine_backward(
-            None if grad_out is None else contiguous_last_dim(grad_out), grad_lse,
-            q, k, v, padding, seed, key_flags, out, lse, ctx.cfg, ctx.exchange,
+            None if grad_out is None else contiguous_last_dim(grad_out),
+            grad_lse,
+            q,
+            k,
+            v,
+            padding,
+            seed,
+            key_flags,
+            out,
+            lse,
+            ctx.cfg,
+            ctx.exchange,
         )
-        dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+        dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
         return dq, dk, dv, None, None, None, None, None

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Optional
 
 import torch
 
@@ -37,18 +36,20 @@ AUTO_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def requested(kernel: Optional[str]) -> str:
+def requested(kernel: str | None) -> str:
     """``kernel``, else ``$DILATED_ATTENTION_KERNEL``, else ``"auto"``, checked."""
     source = "kernel"
     if kernel is None:
         kernel, source = os.environ.get(KERNEL_ENV) or "auto", KERNEL_ENV
     if kernel not in CHOICES:
-        raise ValueError(f"{source} must be one of {CHOICES} ('auto': Triton where it applies, 'triton': the fused "
-                         f"Triton kernels, 'torch': PyTorch's kernels), got {kernel!r}")
+        raise ValueError(
+            f"{source} must be one of {CHOICES} ('auto': Triton where it applies, 'triton': the fused "
+            f"Triton kernels, 'torch': PyTorch's kernels), got {kernel!r}"
+        )
     return kernel
 
 
-def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> Optional[str]:
+def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> str | None:
     """Why the Triton kernels cannot run a call on ``q`` ``(B, L, H, D)``, or ``None``."""
     if dropout > 0:
         return "dropout is not fused (its masks are the library's position-keyed ones): use dropout_p=0"
@@ -64,8 +65,10 @@ def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> Option
         return "Triton is not installed (it comes with PyTorch's CUDA builds; pip install triton)"
     if q.device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
-            return ("on the CPU they run only in Triton's interpreter: set TRITON_INTERPRET=1 in the environment "
-                    "before Triton is imported (best: before Python starts)")
+            return (
+                "on the CPU they run only in Triton's interpreter: set TRITON_INTERPRET=1 in the environment "
+                "before Triton is imported (best: before Python starts)"
+            )
         return None
     if q.device.type != "cuda":
         return f"Triton has no backend for {q.device.type} tensors here"
@@ -77,7 +80,7 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: Optional[str]) -> bool:
+def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: str | None) -> bool:
     """Whether a call on ``q`` runs the Triton kernels (see the module docstring); a
     ``ValueError`` for ``kernel="triton"`` where they cannot."""
     choice = requested(kernel)
@@ -88,11 +91,10 @@ def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: Optio
         if reason is not None:
             raise ValueError(f"kernel='triton' cannot run this call: {reason}; or use kernel='auto' or 'torch'")
         return True
-    return (reason is None and q.device.type == "cuda" and q.dtype in AUTO_DTYPES
-            and q.shape[-1] >= AUTO_MIN_HEAD_DIM)
+    return reason is None and q.device.type == "cuda" and q.dtype in AUTO_DTYPES and q.shape[-1] >= AUTO_MIN_HEAD_DIM
 
 
-def describe(q: torch.Tensor, dropout: float = 0.0, distributed: bool = False, kernel: Optional[str] = None) -> str:
+def describe(q: torch.Tensor, dropout: float = 0.0, distributed: bool = False, kernel: str | None = None) -> str:
     """Which kernels a call on ``q`` runs, in words (what ``dilated-attention check``
     reports)."""
     if use_triton(q, dropout, distributed, kernel):

@@ -42,7 +42,7 @@ Four kernels share this interface:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -61,9 +61,27 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _repeating_key_heads(kernel: type) -> type:
-    """``kernel``, made to take ``k, v`` with fewer heads than ``q``: each key head is
-    repeated for the query heads that share it, and its gradients are summed back."""
+class Kernel(Protocol):
+    """What the engine calls on a kernel: the static methods of its class."""
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype, dropout: bool) -> bool: ...
+
+    @staticmethod
+    def forward(q, k, v, bias, is_causal, scale, dropout=None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @staticmethod
+    def backward(
+        dout, q, k, v, out, lse, bias, is_causal, scale, dropout=None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+_K = TypeVar("_K", bound=type[Kernel])
+
+
+def _repeating_key_heads(kernel: _K) -> _K:
+    """``kernel``, made (in place) to take ``k, v`` with fewer heads than ``q``: each key
+    head is repeated for the query heads that share it, and its gradients are summed back."""
     forward, backward = kernel.forward, kernel.backward
 
     def forward_shared(q, k, v, *args, **kwargs):
@@ -79,7 +97,8 @@ def _repeating_key_heads(kernel: type) -> type:
         dq, dk, dv = backward(dout, q, *(t.repeat_interleave(share, dim=1) for t in (k, v)), *args, **kwargs)
         return (dq, *(g.unflatten(1, (-1, share)).sum(2, dtype=accumulator(g.dtype)).to(g.dtype) for g in (dk, dv)))
 
-    kernel.forward, kernel.backward = staticmethod(forward_shared), staticmethod(backward_shared)
+    # The decorator's purpose: the class's static methods are replaced by the wrappers.
+    kernel.forward, kernel.backward = staticmethod(forward_shared), staticmethod(backward_shared)  # type: ignore[method-assign]
     return kernel
 
 
@@ -114,7 +133,7 @@ class MathKernel:
         return s, keys
 
     @staticmethod
-    def forward(q, k, v, bias, is_causal, scale, dropout: Optional[DropoutMask] = None):
+    def forward(q, k, v, bias, is_causal, scale, dropout: DropoutMask | None = None):
         acc = accumulator(q.dtype)
         out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=acc)
         lse = q.new_empty(q.shape[:-1], dtype=acc)
@@ -129,7 +148,7 @@ class MathKernel:
         return out.to(q.dtype), lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout: Optional[DropoutMask] = None):
+    def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout: DropoutMask | None = None):
         acc = accumulator(q.dtype)
         dq = torch.empty(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -180,9 +199,7 @@ class CpuFlashKernel:
     def forward(q, k, v, bias, is_causal, scale, dropout=None):
         _refuse_dropout(CpuFlashKernel, dropout)
         q, scale, _ = _positive_scale(q, scale, is_causal)
-        return _aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
-        )
+        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout=None):
@@ -259,9 +276,16 @@ class CudaEfficientKernel:
         lse_padded[..., :length] = lse
         no_rng = torch.empty((), dtype=torch.int64)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            *_pad_head_dim(dout, q, k, v, output_layout=True), _cuda_bias(bias, q.shape[1], length, k.shape[2]),
+            *_pad_head_dim(dout, q, k, v, output_layout=True),
+            _cuda_bias(bias, q.shape[1], length, k.shape[2]),
             *_pad_head_dim(out, output_layout=True),
-            lse_padded, no_rng, no_rng, 0.0, [True, True, True, False], is_causal, scale=scale,
+            lse_padded,
+            no_rng,
+            no_rng,
+            0.0,
+            [True, True, True, False],
+            is_causal,
+            scale=scale,
         )
         dq = dq[..., :dim]
         return (dq if sign == 1.0 else dq * sign), dk[..., :dim], dv[..., :dim]
@@ -282,8 +306,11 @@ class CudaFlashKernel:
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype, dropout: bool) -> bool:
         return (
-            device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and not dropout
-            and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+            device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16)
+            and not dropout
+            and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) >= (8, 0)
         )
 
     @staticmethod
@@ -311,20 +338,29 @@ class CudaFlashKernel:
         q, scale, sign = _positive_scale(q, scale, is_causal)
         unused = torch.empty(0, dtype=torch.int64, device=q.device)  # the random state: no dropout
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-            *_pad_head_dim(dout, q, k, v, out), lse.float().contiguous(), None, None, q.shape[2], k.shape[2], 0.0,
-            is_causal, unused, unused, scale=scale,
+            *_pad_head_dim(dout, q, k, v, out),
+            lse.float().contiguous(),
+            None,
+            None,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            is_causal,
+            unused,
+            unused,
+            scale=scale,
         )
         dq = dq[..., :dim]
         return (dq if sign == 1.0 else dq * sign), dk[..., :dim], dv[..., :dim]
 
 
 if torch.__version__ < "2.5":  # the CPU flash ops broadcast key heads from PyTorch 2.5 on
-    CpuFlashKernel = _repeating_key_heads(CpuFlashKernel)
+    _repeating_key_heads(CpuFlashKernel)  # in place
 
-KERNELS = (CpuFlashKernel, CudaFlashKernel, CudaEfficientKernel, MathKernel)
+KERNELS: tuple[type[Kernel], ...] = (CpuFlashKernel, CudaFlashKernel, CudaEfficientKernel, MathKernel)
 
 
-def select_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float):
+def select_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float) -> type[Kernel]:
     """The first of :data:`KERNELS` that supports this device, dtype and dropout: the
     fused kernel where one applies, else ``MathKernel`` (dropout, float64 on CUDA,
     other devices)."""

@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ class Rows:
     heads: slice
 
     @classmethod
-    def strided(cls, start: int, count: int, rate: int, heads: slice) -> "Rows":
+    def strided(cls, start: int, count: int, rate: int, heads: slice) -> Rows:
         """``count`` rows ``start, start + rate, ...`` (one segment)."""
         return cls(start, 1, (count - 1) * rate + 1, rate, 0, heads)
 
@@ -59,7 +59,7 @@ class Rows:
     def head_count(self) -> int:
         return len(range(*self.heads.indices(2**62)))
 
-    def segments(self, first: int, count: int) -> "Rows":
+    def segments(self, first: int, count: int) -> Rows:
         """Segments ``first .. first + count - 1`` of these rows."""
         return replace(self, start=self.start + first * self.seglen, nseg=count)
 
@@ -116,7 +116,7 @@ class Block:
     fresh: bool
     source: int = 0
 
-    def chunks(self, max_segments: int) -> list["Block"]:
+    def chunks(self, max_segments: int) -> list[Block]:
         """The block cut into consecutive blocks of at most ``max_segments`` segments."""
         nseg = self.queries.nseg
         if nseg <= max_segments:
@@ -164,9 +164,7 @@ def branch_head_sets(
         bounds = head_group_bounds(num_heads, len(dilation_rates))
         return [[(i % r, slice(*bounds[i]))] for i, r in enumerate(dilation_rates)]
     if head_offsets == "interleaved":
-        return [
-            [(o, slice(o, num_heads, min(r, num_heads))) for o in range(min(r, num_heads))] for r in dilation_rates
-        ]
+        return [[(o, slice(o, num_heads, min(r, num_heads))) for o in range(min(r, num_heads))] for r in dilation_rates]
     runs = [ceil_div(num_heads, min(r, num_heads)) for r in dilation_rates]
     return [
         [(o, slice(o * run, min((o + 1) * run, num_heads))) for o in range(ceil_div(num_heads, run))] for run in runs
@@ -197,7 +195,9 @@ def _part(first: int, stop: int, segment_start: int, offset: int, rate: int, ori
 
 
 @functools.lru_cache(maxsize=4096)
-def key_heads(heads: tuple[int, int, int], groups: int) -> tuple[tuple[int, int, int], int, Optional[tuple[int, ...]]]:
+def key_heads(
+    heads: tuple[int, int, int], groups: int
+) -> tuple[tuple[int, int, int] | None, int, tuple[int, ...] | None]:
     """Grouped-query attention: the key/value heads of the query heads ``range(*heads)``
     when each ``groups`` consecutive query heads share one key/value head.
 
@@ -208,7 +208,7 @@ def key_heads(heads: tuple[int, int, int], groups: int) -> tuple[tuple[int, int,
     kv = [head // groups for head in range(*heads)]
     share = next((i for i, h in enumerate(kv) if h != kv[0]), len(kv))  # the first run's length
     firsts = kv[::share]
-    steps = {b - a for a, b in zip(firsts, firsts[1:])} or {1}
+    steps = {b - a for a, b in itertools.pairwise(firsts)} or {1}
     if len(kv) % share == 0 and all(h == firsts[i // share] for i, h in enumerate(kv)) and len(steps) == 1:
         step = steps.pop()
         if step > 0:
@@ -230,7 +230,7 @@ def make_plan(
     mode: str,
     is_causal: bool,
     head_offsets: str = "interleaved",
-    num_keys: Optional[int] = None,
+    num_keys: int | None = None,
     key_offset: int = 0,
 ) -> tuple[Block, ...]:
     """All blocks of one dilated attention on one process, branch by branch (see
@@ -241,8 +241,15 @@ def make_plan(
     key_offset %= math.lcm(*segment_lengths)  # (clamping w to the sequence changes no segment)
     plan = _make_plan.__wrapped__ if torch.compiler.is_compiling() else _make_plan  # compiled: traced once
     return plan(
-        num_queries, num_heads, tuple(segment_lengths), tuple(dilation_rates), mode, is_causal, head_offsets,
-        num_keys, key_offset,
+        num_queries,
+        num_heads,
+        tuple(segment_lengths),
+        tuple(dilation_rates),
+        mode,
+        is_causal,
+        head_offsets,
+        num_keys,
+        key_offset,
     )
 
 
@@ -385,7 +392,8 @@ def make_shard_plan(
             seg_lo, seg_hi = seg * w, min((seg + 1) * w, seq_len)
             mine = (max(seg_lo, lo), min(seg_hi, hi))
             peers = [
-                k for k in range(len(shard_lengths))
+                k
+                for k in range(len(shard_lengths))
                 if k != rank and starts[k] < seg_hi and starts[k] + shard_lengths[k] > seg_lo
             ]
             for offset, heads in head_sets[i]:
@@ -458,12 +466,15 @@ class BranchTable:
 
 @functools.lru_cache(maxsize=256)
 def branch_table(
-    num_heads: int, segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...], mode: str,
+    num_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    mode: str,
     head_offsets: str = "interleaved",
 ) -> BranchTable:
     """The :class:`BranchTable` of these branches for ``num_heads`` heads (cached)."""
     segment_lengths = tuple(min(w, FUSED_MAX_SEGMENT) for w in segment_lengths)
-    rates = tuple(min(r, w) for w, r in zip(segment_lengths, dilation_rates))
+    rates = tuple(min(r, w) for w, r in zip(segment_lengths, dilation_rates, strict=True))
     offsets = [[-1] * len(segment_lengths) for _ in range(num_heads)]
     for i, head_sets in enumerate(branch_head_sets(num_heads, dilation_rates, mode, head_offsets)):
         for offset, heads in head_sets:
@@ -496,7 +507,9 @@ def fused_row_step(segment_lengths: tuple[int, ...], rates: tuple[int, ...], til
     candidates = [d for d in range(1, min(limit, MAX_ROW_STEP) + 1) if limit % d == 0]
 
     def work(step: int) -> float:
-        return sum(w / r**2 * (r / math.gcd(step, r)) * max(1.0, step * tile_rows / w)
-                   for w, r in zip(segment_lengths, rates))
+        return sum(
+            w / r**2 * (r / math.gcd(step, r)) * max(1.0, step * tile_rows / w)
+            for w, r in zip(segment_lengths, rates, strict=True)
+        )
 
     return min(candidates, key=lambda step: (work(step), step))

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 import torch
 import triton
@@ -129,10 +128,36 @@ def _load_rows(ptr, rows, row_stride, ok, dims, head_dim, ROW_MASK: tl.constexpr
 
 @triton.jit
 def _query_step(
-    q, do, acc, m_i, l_i, reached, rows, selected, lse_log2, delta, k_base, v_base, pad_base, key_rows, key_ok,
-    sk_n, sv_n, sp_n, dims, head_dim, scale_log2, out_scale,
-    MASKED: tl.constexpr, DIM_MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_PADDING: tl.constexpr,
-    CHECK_FINITE: tl.constexpr, BACKWARD: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    q,
+    do,
+    acc,
+    m_i,
+    l_i,
+    reached,
+    rows,
+    selected,
+    lse_log2,
+    delta,
+    k_base,
+    v_base,
+    pad_base,
+    key_rows,
+    key_ok,
+    sk_n,
+    sv_n,
+    sp_n,
+    dims,
+    head_dim,
+    scale_log2,
+    out_scale,
+    MASKED: tl.constexpr,
+    DIM_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    CHECK_FINITE: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One tile of keys for a program's query rows: the online softmax update of
     ``acc, m_i, l_i`` (forward) or ``acc += dS K`` (``BACKWARD``, the dq pass). With
@@ -180,12 +205,56 @@ def _query_step(
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, PAD, OUT, LSE, DQ, DO, DELTA, KEY_START, SEG, RATE, OFFSET,
-    sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sp_b, sp_n, so_b, so_n, so_h, sl_b, sl_n, sl_h,
-    num_queries, num_keys, num_heads, group_size, scale_log2, scale, out_scale, head_dim, branches, row_step,
-    DIM_BLOCK: tl.constexpr, DIM_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_PADDING: tl.constexpr, CHECK_FINITE: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, BACKWARD: tl.constexpr,
+    Q,
+    K,
+    V,
+    PAD,
+    OUT,
+    LSE,
+    DQ,
+    DO,
+    DELTA,
+    KEY_START,
+    SEG,
+    RATE,
+    OFFSET,
+    sq_b,
+    sq_n,
+    sq_h,
+    sk_b,
+    sk_n,
+    sk_h,
+    sv_b,
+    sv_n,
+    sv_h,
+    sp_b,
+    sp_n,
+    so_b,
+    so_n,
+    so_h,
+    sl_b,
+    sl_n,
+    sl_h,
+    num_queries,
+    num_keys,
+    num_heads,
+    group_size,
+    scale_log2,
+    scale,
+    out_scale,
+    head_dim,
+    branches,
+    row_step,
+    DIM_BLOCK: tl.constexpr,
+    DIM_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    CHECK_FINITE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):
     """Forward: ``OUT``, ``LSE`` of the rows this program owns. With ``BACKWARD``, the
     dq pass instead: ``DQ`` of those rows, given ``DO``, the merged ``LSE`` and
@@ -234,11 +303,12 @@ def _forward_kernel(
     k_base = K + b * sk_b + kv_h * sk_h
     v_base = V + b * sv_b + kv_h * sv_h
     pad_base = PAD + b * sp_b
-    for g in range(0, branches):
+    for g in range(branches):
         seg_len, rate, offset, seg_first, seg_count = _branch(SEG, RATE, OFFSET, g, h, key_start, lo, hi, branches)
-        for si in range(0, seg_count):
-            start, stop, step, selected, chosen = _selection(rows, row_ok, seg_first + si, seg_len, rate, offset,
-                                                             key_start, num_keys)
+        for si in range(seg_count):
+            start, stop, step, selected, chosen = _selection(
+                rows, row_ok, seg_first + si, seg_len, rate, offset, key_start, num_keys
+            )
             if chosen > 0:
                 key_stop = stop
                 if CAUSAL:
@@ -253,17 +323,71 @@ def _forward_kernel(
                 for j0 in range(0, free, BLOCK_N):
                     key_rows = start + offset + step * (j0 + tl.arange(0, BLOCK_N))
                     acc, m_i, l_i, reached = _query_step(
-                        q, do, acc, m_i, l_i, reached, rows, selected, lse_log2, delta, k_base, v_base, pad_base,
-                        key_rows, selected, sk_n, sv_n, sp_n, dims, head_dim, scale_log2, out_scale, False,
-                        DIM_MASK, CAUSAL, HAS_PADDING, CHECK_FINITE, BACKWARD, DOT_FP32, PRECISION,
+                        q,
+                        do,
+                        acc,
+                        m_i,
+                        l_i,
+                        reached,
+                        rows,
+                        selected,
+                        lse_log2,
+                        delta,
+                        k_base,
+                        v_base,
+                        pad_base,
+                        key_rows,
+                        selected,
+                        sk_n,
+                        sv_n,
+                        sp_n,
+                        dims,
+                        head_dim,
+                        scale_log2,
+                        out_scale,
+                        False,
+                        DIM_MASK,
+                        CAUSAL,
+                        HAS_PADDING,
+                        CHECK_FINITE,
+                        BACKWARD,
+                        DOT_FP32,
+                        PRECISION,
                     )
                 for j0 in range(free, count, BLOCK_N):
                     j = j0 + tl.arange(0, BLOCK_N)
                     key_rows = start + offset + step * tl.minimum(j, count - 1)
                     acc, m_i, l_i, reached = _query_step(
-                        q, do, acc, m_i, l_i, reached, rows, selected, lse_log2, delta, k_base, v_base, pad_base,
-                        key_rows, j < count, sk_n, sv_n, sp_n, dims, head_dim, scale_log2, out_scale, True,
-                        DIM_MASK, CAUSAL, HAS_PADDING, CHECK_FINITE, BACKWARD, DOT_FP32, PRECISION,
+                        q,
+                        do,
+                        acc,
+                        m_i,
+                        l_i,
+                        reached,
+                        rows,
+                        selected,
+                        lse_log2,
+                        delta,
+                        k_base,
+                        v_base,
+                        pad_base,
+                        key_rows,
+                        j < count,
+                        sk_n,
+                        sv_n,
+                        sp_n,
+                        dims,
+                        head_dim,
+                        scale_log2,
+                        out_scale,
+                        True,
+                        DIM_MASK,
+                        CAUSAL,
+                        HAS_PADDING,
+                        CHECK_FINITE,
+                        BACKWARD,
+                        DOT_FP32,
+                        PRECISION,
                     )
 
     out_offsets = query_rows.to(tl.int64)[:, None] * so_n + dims[None, :]
@@ -284,10 +408,32 @@ def _forward_kernel(
 
 @triton.jit
 def _key_step(
-    k, v, dk, dv, rows, selected, q_base, do_base, lse_base, delta_base, query_rows, q_ok, first_query,
-    sq_n, so_n, sl_n, dims, head_dim, scale_log2, out_scale,
-    MASKED: tl.constexpr, DIM_MASK: tl.constexpr, CAUSAL: tl.constexpr, CHECK_FINITE: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    k,
+    v,
+    dk,
+    dv,
+    rows,
+    selected,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    query_rows,
+    q_ok,
+    first_query,
+    sq_n,
+    so_n,
+    sl_n,
+    dims,
+    head_dim,
+    scale_log2,
+    out_scale,
+    MASKED: tl.constexpr,
+    DIM_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    CHECK_FINITE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One tile of queries for a program's key rows: ``dv += P^T dO``, ``dk += dS^T Q``
     (unscaled). With ``MASKED`` the key selection, the query range and causality
@@ -320,12 +466,60 @@ def _key_step(
 
 @triton.jit
 def _key_grads_kernel(
-    Q, K, V, PAD, LSE, DO, DELTA, DK, DV, KEY_START, SEG, RATE, OFFSET,
-    sq_b, sq_n, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sp_b, sp_n, so_b, so_n, so_h, sl_b, sl_n, sl_h,
-    sdk_b, sdk_n, sdk_h, sdv_b, sdv_n, sdv_h,
-    num_queries, num_keys, num_kv_heads, group_size, scale_log2, scale, out_scale, head_dim, branches, row_step,
-    DIM_BLOCK: tl.constexpr, DIM_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_PADDING: tl.constexpr, CHECK_FINITE: tl.constexpr, DOT_FP32: tl.constexpr,
+    Q,
+    K,
+    V,
+    PAD,
+    LSE,
+    DO,
+    DELTA,
+    DK,
+    DV,
+    KEY_START,
+    SEG,
+    RATE,
+    OFFSET,
+    sq_b,
+    sq_n,
+    sq_h,
+    sk_b,
+    sk_n,
+    sk_h,
+    sv_b,
+    sv_n,
+    sv_h,
+    sp_b,
+    sp_n,
+    so_b,
+    so_n,
+    so_h,
+    sl_b,
+    sl_n,
+    sl_h,
+    sdk_b,
+    sdk_n,
+    sdk_h,
+    sdv_b,
+    sdv_n,
+    sdv_h,
+    num_queries,
+    num_keys,
+    num_kv_heads,
+    group_size,
+    scale_log2,
+    scale,
+    out_scale,
+    head_dim,
+    branches,
+    row_step,
+    DIM_BLOCK: tl.constexpr,
+    DIM_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PADDING: tl.constexpr,
+    CHECK_FINITE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """``DK``, ``DV`` of the key rows this program owns (one batch row and key head),
@@ -355,18 +549,18 @@ def _key_grads_kernel(
     dv = tl.zeros([BLOCK_N, DIM_BLOCK], dtype=tl.float32)
     lo = tl.min(tl.where(key_ok, rows, num_keys))
     hi = tl.max(tl.where(key_ok, rows, -1))
-    for member in range(0, group_size):
+    for member in range(group_size):
         h = kv_h * group_size + member
         q_base = Q + b * sq_b + h * sq_h
         do_base = DO + b * so_b + h * so_h
         lse_base = LSE + b * sl_b + h * sl_h
         delta_base = DELTA + b * sl_b + h * sl_h
-        for g in range(0, branches):
-            seg_len, rate, offset, seg_first, seg_count = _branch(SEG, RATE, OFFSET, g, h, key_start, lo, hi,
-                                                                  branches)
-            for si in range(0, seg_count):
-                start, stop, step, selected, chosen = _selection(rows, row_ok, seg_first + si, seg_len, rate, offset,
-                                                                 key_start, num_keys)
+        for g in range(branches):
+            seg_len, rate, offset, seg_first, seg_count = _branch(SEG, RATE, OFFSET, g, h, key_start, lo, hi, branches)
+            for si in range(seg_count):
+                start, stop, step, selected, chosen = _selection(
+                    rows, row_ok, seg_first + si, seg_len, rate, offset, key_start, num_keys
+                )
                 if chosen > 0:
                     first = tl.maximum(first_query, start + offset)  # the first query that may see them
                     if CAUSAL:
@@ -386,35 +580,103 @@ def _key_grads_kernel(
                     for j0 in range(free_first, free_stop, BLOCK_M):
                         query_rows = start + offset + step * (j0 + tl.arange(0, BLOCK_M)) - first_query
                         dk, dv = _key_step(
-                            k, v, dk, dv, rows, selected, q_base, do_base, lse_base, delta_base, query_rows,
-                            selected, first_query, sq_n, so_n, sl_n, dims, head_dim, scale_log2, out_scale, False,
-                            DIM_MASK, CAUSAL, CHECK_FINITE, DOT_FP32, PRECISION,
+                            k,
+                            v,
+                            dk,
+                            dv,
+                            rows,
+                            selected,
+                            q_base,
+                            do_base,
+                            lse_base,
+                            delta_base,
+                            query_rows,
+                            selected,
+                            first_query,
+                            sq_n,
+                            so_n,
+                            sl_n,
+                            dims,
+                            head_dim,
+                            scale_log2,
+                            out_scale,
+                            False,
+                            DIM_MASK,
+                            CAUSAL,
+                            CHECK_FINITE,
+                            DOT_FP32,
+                            PRECISION,
                         )
                     # The masked tiles: those before the free ones (the diagonal), then the last one.
                     before = (free_first - j_first + BLOCK_M - 1) // BLOCK_M
                     after = (j_stop - free_stop + BLOCK_M - 1) // BLOCK_M
-                    for t in range(0, before + after):
+                    for t in range(before + after):
                         j0 = tl.where(t < before, j_first + t * BLOCK_M, free_stop + (t - before) * BLOCK_M)
                         j = j0 + tl.arange(0, BLOCK_M)
                         query_rows = start + offset + step * tl.minimum(j, j_stop - 1) - first_query
                         dk, dv = _key_step(
-                            k, v, dk, dv, rows, selected, q_base, do_base, lse_base, delta_base, query_rows,
-                            j < j_stop, first_query, sq_n, so_n, sl_n, dims, head_dim, scale_log2, out_scale, True,
-                            DIM_MASK, CAUSAL, CHECK_FINITE, DOT_FP32, PRECISION,
+                            k,
+                            v,
+                            dk,
+                            dv,
+                            rows,
+                            selected,
+                            q_base,
+                            do_base,
+                            lse_base,
+                            delta_base,
+                            query_rows,
+                            j < j_stop,
+                            first_query,
+                            sq_n,
+                            so_n,
+                            sl_n,
+                            dims,
+                            head_dim,
+                            scale_log2,
+                            out_scale,
+                            True,
+                            DIM_MASK,
+                            CAUSAL,
+                            CHECK_FINITE,
+                            DOT_FP32,
+                            PRECISION,
                         )
     mask = row_ok[:, None] & (dims < head_dim)[None, :]
     kept = key_ok[:, None]
     rows64 = rows.to(tl.int64)[:, None]
-    tl.store(DK + b * sdk_b + kv_h * sdk_h + rows64 * sdk_n + dims[None, :],
-             tl.where(kept, dk * scale, 0.0).to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + b * sdv_b + kv_h * sdv_h + rows64 * sdv_n + dims[None, :],
-             tl.where(kept, dv * out_scale, 0.0).to(DV.dtype.element_ty), mask=mask)
+    tl.store(
+        DK + b * sdk_b + kv_h * sdk_h + rows64 * sdk_n + dims[None, :],
+        tl.where(kept, dk * scale, 0.0).to(DK.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        DV + b * sdv_b + kv_h * sdv_h + rows64 * sdv_n + dims[None, :],
+        tl.where(kept, dv * out_scale, 0.0).to(DV.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
 def _delta_kernel(
-    DO, OUT, DLSE, LSE, DELTA, so_b, so_n, so_h, sl_b, sl_n, sl_h, num_queries, num_heads, rows_total, head_dim,
-    DIM_BLOCK: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr,
+    DO,
+    OUT,
+    DLSE,
+    LSE,
+    DELTA,
+    so_b,
+    so_n,
+    so_h,
+    sl_b,
+    sl_n,
+    sl_h,
+    num_queries,
+    num_heads,
+    rows_total,
+    head_dim,
+    DIM_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
     """``DELTA = rowsum(DO * OUT) - DLSE`` per (batch row, query, head), 0 on rows that
     attend to nothing or that a non-finite value reached (they pass no gradient)."""
@@ -486,7 +748,8 @@ def _tuned(kernel, kind: str, key: list[str]):
 
     return triton.autotune(
         [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in sorted(configs)],
-        key=key, prune_configs_by={"early_config_prune": prune},
+        key=key,
+        prune_configs_by={"early_config_prune": prune},
     )(kernel)
 
 
@@ -503,8 +766,16 @@ class Launch:
     """What the kernels of one call share: the branch table on the device, each batch
     row's first key position, the flags, and how to size the grid."""
 
-    def __init__(self, q, k, table: BranchTable, key_starts: tuple[int, ...], is_causal: bool,
-                 padding: Optional[torch.Tensor], check_finite: bool):
+    def __init__(
+        self,
+        q,
+        k,
+        table: BranchTable,
+        key_starts: tuple[int, ...],
+        is_causal: bool,
+        padding: torch.Tensor | None,
+        check_finite: bool,
+    ):
         batch, num_queries, num_heads, dim = q.shape
         self.batch, self.num_queries, self.num_keys, self.num_heads = batch, num_queries, k.shape[1], num_heads
         self.num_kv_heads, self.group_size = k.shape[2], num_heads // k.shape[2]
@@ -520,8 +791,12 @@ class Launch:
         self.sizes = (dim, len(table.segment_lengths), self.row_step)
         dim_block = max(16, triton.next_power_of_2(dim))
         self.flags = dict(
-            DIM_BLOCK=dim_block, DIM_MASK=dim != dim_block, CAUSAL=is_causal, HAS_PADDING=padding is not None,
-            CHECK_FINITE=check_finite, DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
+            DIM_BLOCK=dim_block,
+            DIM_MASK=dim != dim_block,
+            CAUSAL=is_causal,
+            HAS_PADDING=padding is not None,
+            CHECK_FINITE=check_finite,
+            DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
 
@@ -561,8 +836,18 @@ class Launch:
 
 
 @torch.no_grad()
-def forward(q, k, v, padding, key_starts, table: BranchTable, is_causal: bool, scale: float, out_scale: float,
-            check_finite: bool):
+def forward(
+    q,
+    k,
+    v,
+    padding,
+    key_starts,
+    table: BranchTable,
+    is_causal: bool,
+    scale: float,
+    out_scale: float,
+    check_finite: bool,
+):
     """``out`` ``(B, Lq, H, D)`` in ``q.dtype`` and ``lse`` ``(B, Lq, H)`` float32 of a
     dilated attention (``q`` the last ``Lq`` of the key rows, key row 0 of batch row
     ``b`` at position ``key_starts[b]``)."""
@@ -570,18 +855,57 @@ def forward(q, k, v, padding, key_starts, table: BranchTable, is_causal: bool, s
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     launch.run(
-        _forward_kernel, "decode" if launch.decode else "forward", launch.query_grid,
-        q, k, v, launch.pad[0], out, lse, out, out, lse, launch.key_start, launch.seg, launch.rate, launch.offset,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *launch.pad[1:], *out.stride()[:3], *lse.stride(),
-        launch.num_queries, launch.num_keys, launch.num_heads, launch.group_size, scale * LOG2E, scale, out_scale,
+        _forward_kernel,
+        "decode" if launch.decode else "forward",
+        launch.query_grid,
+        q,
+        k,
+        v,
+        launch.pad[0],
+        out,
+        lse,
+        out,
+        out,
+        lse,
+        launch.key_start,
+        launch.seg,
+        launch.rate,
+        launch.offset,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *launch.pad[1:],
+        *out.stride()[:3],
+        *lse.stride(),
+        launch.num_queries,
+        launch.num_keys,
+        launch.num_heads,
+        launch.group_size,
+        scale * LOG2E,
+        scale,
+        out_scale,
         BACKWARD=False,
     )
     return out, lse
 
 
 @torch.no_grad()
-def backward(dout, q, k, v, out, lse, dlse, padding, key_starts, table: BranchTable, is_causal: bool,
-             scale: float, out_scale: float, check_finite: bool):
+def backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dlse,
+    padding,
+    key_starts,
+    table: BranchTable,
+    is_causal: bool,
+    scale: float,
+    out_scale: float,
+    check_finite: bool,
+):
     """``dq, dk, dv`` (the dtypes and shapes of ``q, k, v``) given the gradient ``dout``
     of the output ``out`` and ``dlse`` (or ``None``) of ``lse``, as :func:`forward`
     returned them."""
@@ -593,8 +917,19 @@ def backward(dout, q, k, v, out, lse, dlse, padding, key_starts, table: BranchTa
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     rows, block = lse.numel(), 16
     _delta_kernel[(triton.cdiv(rows, block),)](
-        dout, out, lse if dlse is None else dlse, lse, delta, *out.stride()[:3], *lse.stride(), launch.num_queries,
-        launch.num_heads, rows, q.shape[-1], DIM_BLOCK=launch.flags["DIM_BLOCK"], BLOCK=block,
+        dout,
+        out,
+        lse if dlse is None else dlse,
+        lse,
+        delta,
+        *out.stride()[:3],
+        *lse.stride(),
+        launch.num_queries,
+        launch.num_heads,
+        rows,
+        q.shape[-1],
+        DIM_BLOCK=launch.flags["DIM_BLOCK"],
+        BLOCK=block,
         HAS_DLSE=dlse is not None,
     )
     dq = torch.empty_strided(q.shape, out.stride(), dtype=q.dtype, device=q.device)  # written with out's strides
@@ -604,15 +939,49 @@ def backward(dout, q, k, v, out, lse, dlse, padding, key_starts, table: BranchTa
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *launch.pad[1:], *out.stride()[:3], *lse.stride())
     scales = (scale * LOG2E, scale, out_scale)
     launch.run(
-        _forward_kernel, "decode" if launch.decode else "dq", launch.query_grid,
-        *common, out, lse, dq, dout, delta, launch.key_start, launch.seg, launch.rate, launch.offset, *strides,
-        launch.num_queries, launch.num_keys, launch.num_heads, launch.group_size, *scales, BACKWARD=True,
+        _forward_kernel,
+        "decode" if launch.decode else "dq",
+        launch.query_grid,
+        *common,
+        out,
+        lse,
+        dq,
+        dout,
+        delta,
+        launch.key_start,
+        launch.seg,
+        launch.rate,
+        launch.offset,
+        *strides,
+        launch.num_queries,
+        launch.num_keys,
+        launch.num_heads,
+        launch.group_size,
+        *scales,
+        BACKWARD=True,
     )
     launch.run(
-        _key_grads_kernel, "keys", launch.key_grid,
-        *common, lse, dout, delta, dk, dv, launch.key_start, launch.seg, launch.rate, launch.offset, *strides,
-        *dk.stride()[:3], *dv.stride()[:3], launch.num_queries, launch.num_keys, launch.num_kv_heads,
-        launch.group_size, *scales,
+        _key_grads_kernel,
+        "keys",
+        launch.key_grid,
+        *common,
+        lse,
+        dout,
+        delta,
+        dk,
+        dv,
+        launch.key_start,
+        launch.seg,
+        launch.rate,
+        launch.offset,
+        *strides,
+        *dk.stride()[:3],
+        *dv.stride()[:3],
+        launch.num_queries,
+        launch.num_keys,
+        launch.num_kv_heads,
+        launch.group_size,
+        *scales,
     )
     return dq, dk, dv
 

@@ -6,8 +6,8 @@ import math
 import numbers
 import operator
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -15,7 +15,10 @@ from .plan import HEAD_OFFSETS, MODES, window_start_needed
 
 # The dtypes the library computes in, by name (as the command line spells them).
 FLOAT_DTYPES = {
-    "float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
 }
 
 # The largest position a key may have (positions are int64, with room to spare).
@@ -75,7 +78,9 @@ def check_mode(mode) -> str:
 
 def check_layout(layout) -> str:
     return _check_choice(
-        layout, "layout", LAYOUTS,
+        layout,
+        "layout",
+        LAYOUTS,
         f" ('bnhd' for {LAYOUTS['bnhd']}, 'bhnd' for {LAYOUTS['bhnd']}, the layout of "
         "torch.nn.functional.scaled_dot_product_attention)",
     )
@@ -83,7 +88,9 @@ def check_layout(layout) -> str:
 
 def check_head_offsets(head_offsets) -> str:
     return _check_choice(
-        head_offsets, "head_offsets", HEAD_OFFSETS,
+        head_offsets,
+        "head_offsets",
+        HEAD_OFFSETS,
         " ('interleaved': head j uses offset j % r, the paper's; 'contiguous': runs of ceil(H / r) heads, "
         "torchscale's)",
     )
@@ -196,15 +203,16 @@ def check_key_heads(num_heads: int, kv_heads: int) -> None:
         )
 
 
-def check_int(value, name: str, least: int, below: Optional[int] = None) -> int:
+def check_int(value, name: str, least: int, below: int | None = None) -> int:
     """An int ``>= least`` (and ``< below``, if given), not a bool: else a ``TypeError``
     (not an int) or a ``ValueError`` (out of range)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type_name(value)}")
-    if value < least or (below is not None and value >= below):
+    number = int(value)
+    if number < least or (below is not None and number >= below):
         bound = f">= {least}" if below is None else f"in [{least}, {_power_of_two(below)})"
         raise ValueError(f"{name} must be {bound}, got {value}")
-    return int(value)
+    return number
 
 
 def _power_of_two(value: int) -> str:
@@ -222,8 +230,16 @@ def check_non_negative_int(value, name: str) -> int:
     return check_int(value, name, 0)
 
 
-def check_number(value, name: str, low: float = -math.inf, high: float = math.inf, *, low_open: bool = False,
-                 high_open: bool = False, meaning: str = "") -> float:
+def check_number(
+    value,
+    name: str,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    meaning: str = "",
+) -> float:
     """A finite real number (not a bool) from ``low`` to ``high``, each end included
     unless open, as a float: else a ``TypeError`` (not a number) or a ``ValueError``
     (out of range or not finite); ``meaning`` is added to the message."""
@@ -232,12 +248,13 @@ def check_number(value, name: str, low: float = -math.inf, high: float = math.in
     try:
         number = float(value)
     except OverflowError:  # an int beyond float's range
-        number = math.inf if value > 0 else -math.inf
+        number = -math.inf if value < 0 else math.inf
     above_low = number > low if low_open else number >= low
     below_high = number < high if high_open else number <= high
     if not (math.isfinite(number) and above_low and below_high):
-        raise ValueError(f"{name} must be a finite number {_interval(low, high, low_open, high_open)}{meaning}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{name} must be a finite number {_interval(low, high, low_open, high_open)}{meaning}, got {value!r}"
+        )
     return number
 
 
@@ -296,7 +313,7 @@ def check_window(key_offset: int, num_queries: int, num_keys: int, segment_lengt
         )
 
 
-def check_padding_mask(mask, batch: int, seq_len: int, device) -> Optional[torch.Tensor]:
+def check_padding_mask(mask, batch: int, seq_len: int, device) -> torch.Tensor | None:
     """``key_padding_mask``: ``None`` or a bool ``(B, N)`` tensor, ``True`` = padding."""
     if mask is None:
         return None
@@ -334,7 +351,7 @@ class Attention:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    padding: Optional[torch.Tensor]
+    padding: torch.Tensor | None
     segment_lengths: tuple[int, ...]
     dilation_rates: tuple[int, ...]
     mode: str
@@ -347,7 +364,8 @@ class Attention:
     def shape(self) -> tuple[int, int, int, int]:
         """``(B, Lq, H, D)`` as Python ints. (``operator.index`` also makes
         ``torch.compile`` specialise on them: the plan depends on every size.)"""
-        return tuple(operator.index(size) for size in self.q.shape)
+        batch, length, heads, dim = (operator.index(size) for size in self.q.shape)
+        return batch, length, heads, dim
 
     @property
     def num_keys(self) -> int:
@@ -355,8 +373,18 @@ class Attention:
 
 
 def check_attention(
-    q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask, layout="bnhd",
-    head_offsets="interleaved", key_offset=0,
+    q,
+    k,
+    v,
+    segment_lengths,
+    dilation_rates,
+    mode,
+    is_causal,
+    softmax_scale,
+    key_padding_mask,
+    layout="bnhd",
+    head_offsets="interleaved",
+    key_offset=0,
 ) -> Attention:
     """Validate what the library and the reference share; ``q, k, v`` come back as
     ``(B, L, H, D)`` views whatever ``layout`` they arrived in."""

@@ -6,7 +6,6 @@ import argparse
 import difflib
 import math
 import sys
-from typing import Optional
 
 import torch
 
@@ -73,8 +72,11 @@ def number(kind, low: float, inclusive: bool = True, several: bool = False):
         except ValueError:
             hint = ""
             if several:
-                hint = (f" (separate several values with spaces: {text.replace(',', ' ')})" if "," in text
-                        else " (several values are separated by spaces)")
+                hint = (
+                    f" (separate several values with spaces: {text.replace(',', ' ')})"
+                    if "," in text
+                    else " (several values are separated by spaces)"
+                )
             raise argparse.ArgumentTypeError(
                 f"must be {'an int' if kind is int else 'a number'} {bound}, got {text!r}{hint}"
             ) from None
@@ -99,7 +101,7 @@ def seed(text: str) -> int:
     return value
 
 
-def device_type(name: Optional[str]) -> str:
+def device_type(name: str | None) -> str:
     """The ``--device`` to run on: ``name``, or ``"cuda"`` if available else ``"cpu"``;
     a ``ValueError`` for ``"cuda"`` without a GPU."""
     if name is None:

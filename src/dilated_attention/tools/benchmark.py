@@ -23,13 +23,13 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..ops import fused
 from ..functional import dilated_attention
+from ..ops import fused
 from ..ops.intmath import ceil_div
 from ..ops.kernels import select_kernel
 from ..ops.plan import make_plan
@@ -39,7 +39,7 @@ from ..utils.plotting import log_log, pyplot, save
 # library forced to PyTorch's kernels (``mixture`` takes the fused Triton kernels where
 # they apply), ``flex`` PyTorch's FlexAttention computing the same mixture.
 IMPLEMENTATIONS = ("dense", "kernel", "mixture", "head_groups")
-ALL_IMPLEMENTATIONS = IMPLEMENTATIONS + ("mixture-torch", "flex")
+ALL_IMPLEMENTATIONS = (*IMPLEMENTATIONS, "mixture-torch", "flex")
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -130,7 +130,7 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.added: Optional[int] = None
+        self.added: int | None = None
 
     @staticmethod
     def supported(device: torch.device) -> bool:
@@ -185,7 +185,7 @@ def _proc_status_kb(key: str) -> int:
 
 
 @functools.cache
-def _glibc() -> Optional[ctypes.CDLL]:
+def _glibc() -> ctypes.CDLL | None:
     """glibc, or ``None`` where the C library is another one."""
     try:
         return ctypes.CDLL("libc.so.6")
@@ -235,17 +235,17 @@ class BenchConfig:
 class Row:
     impl: str
     seq_len: int
-    fwd_ms: Optional[float] = None
-    fwd_bwd_ms: Optional[float] = None
-    fwd_gflops: Optional[float] = None
-    fwd_bwd_gflops: Optional[float] = None
-    fwd_ratio: Optional[float] = None
-    fwd_bwd_ratio: Optional[float] = None
-    fwd_peak_added_bytes: Optional[int] = None
-    fwd_bwd_peak_added_bytes: Optional[int] = None
+    fwd_ms: float | None = None
+    fwd_bwd_ms: float | None = None
+    fwd_gflops: float | None = None
+    fwd_bwd_gflops: float | None = None
+    fwd_ratio: float | None = None
+    fwd_bwd_ratio: float | None = None
+    fwd_peak_added_bytes: int | None = None
+    fwd_bwd_peak_added_bytes: int | None = None
     io_bytes: int = 0  # bytes of q, k, v and the output
-    fwd_floor_ms: Optional[float] = None  # the larger of FLOPs / matmul rate and io bytes / copy bandwidth
-    fwd_bwd_floor_ms: Optional[float] = None  # the same with 3.5x the FLOPs and 3x the bytes
+    fwd_floor_ms: float | None = None  # the larger of FLOPs / matmul rate and io bytes / copy bandwidth
+    fwd_bwd_floor_ms: float | None = None  # the same with 3.5x the FLOPs and 3x the bytes
     kernels: str = ""  # which kernels the library ran
     note: str = ""
 
@@ -283,10 +283,12 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
             return kernel.forward(q, k, v, None, cfg.is_causal, scale)[0]
 
         pairs = shape[0] * shape[1] * (rows * (rows + 1) // 2 if cfg.is_causal else rows * rows)
-        # the kernel's own backward
-        def fn_with_grad(q, k, v, grad):
+
+        def kernel_with_grad(q, k, v, grad):  # the kernel's own backward
             out, lse = kernel.forward(q, k, v, None, cfg.is_causal, scale)
             return kernel.backward(grad, q, k, v, out, lse, None, cfg.is_causal, scale)
+
+        fn_with_grad: Callable | None = kernel_with_grad
 
     else:
         shape = (cfg.batch, seq_len, cfg.heads, cfg.head_dim)
@@ -303,20 +305,34 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
         elif impl == "flex":
             fn = flex_mixture(seq_len, cfg.heads, cfg.segment_lengths, cfg.dilation_rates, cfg.is_causal, device)
         else:
-            mode, _, kernel = impl.partition("-")
+            mode, _, kernel_name = impl.partition("-")
 
             def fn(q, k, v):
                 return dilated_attention(
-                    q, k, v, cfg.segment_lengths, cfg.dilation_rates, mode=mode, is_causal=cfg.is_causal,
-                    kernel=kernel or None,
+                    q,
+                    k,
+                    v,
+                    cfg.segment_lengths,
+                    cfg.dilation_rates,
+                    mode=mode,
+                    is_causal=cfg.is_causal,
+                    kernel=kernel_name or None,
                 )
 
     inputs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(4)]
     return inputs, fn, fn_with_grad, pairs
 
 
-def flex_mixture(seq_len: int, heads: int, segment_lengths, dilation_rates, is_causal: bool, device,
-                 head_offsets: str = "interleaved", compiled: bool = True):
+def flex_mixture(
+    seq_len: int,
+    heads: int,
+    segment_lengths,
+    dilation_rates,
+    is_causal: bool,
+    device,
+    head_offsets: str = "interleaved",
+    compiled: bool = True,
+):
     """``fn(q, k, v)`` on ``(B, N, H, D)`` tensors: PyTorch's FlexAttention computing the
     ``mixture`` of these branches exactly. The block mask allows the pairs some branch
     attends; the score of a pair gains ``log(m)``, ``m`` the number of branches that
@@ -327,11 +343,11 @@ def flex_mixture(seq_len: int, heads: int, segment_lengths, dilation_rates, is_c
     from ..reference import branch_offsets
 
     offsets = [o.to(device) for o in branch_offsets(heads, segment_lengths, dilation_rates, "mixture", head_offsets)]
-    branches = [(min(w, seq_len), min(r, w, seq_len)) for w, r in zip(segment_lengths, dilation_rates)]
+    branches = [(min(w, seq_len), min(r, w, seq_len)) for w, r in zip(segment_lengths, dilation_rates, strict=True)]
 
     def multiplicity(h, q_idx, kv_idx):
         count = torch.zeros_like(q_idx)
-        for (w, r), offset in zip(branches, offsets):
+        for (w, r), offset in zip(branches, offsets, strict=True):
             same = (q_idx // w) == (kv_idx // w)
             chosen = (q_idx % w % r == offset[h]) & (kv_idx % w % r == offset[h])
             count = count + (same & chosen).to(count.dtype)
@@ -348,8 +364,9 @@ def flex_mixture(seq_len: int, heads: int, segment_lengths, dilation_rates, is_c
     attend = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
     def fn(q, k, v):
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
-                     block_mask=block_mask)
+        out = attend(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, block_mask=block_mask
+        )
         return out.transpose(1, 2)
 
     return fn
@@ -389,8 +406,13 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def measure(impl: str, seq_len: int, cfg: BenchConfig, predicted_s: Optional[float],
-            ceilings: tuple[float, float] = (math.inf, math.inf)) -> Row:
+def measure(
+    impl: str,
+    seq_len: int,
+    cfg: BenchConfig,
+    predicted_s: float | None,
+    ceilings: tuple[float, float] = (math.inf, math.inf),
+) -> Row:
     """One row: forward (and forward + backward) time, GFLOP/s, ratio to the matmul
     GFLOP/s measured alongside, peak memory, and the floor the ``ceilings`` (matmul
     GFLOP/s, copy GB/s) put under the time."""
@@ -460,7 +482,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     torch.manual_seed(0)
     result = BenchResult(cfg, machine_info(device), matmul_gflops(device, dtype, cfg.matmul_size), copy_gbps(device))
     total = len(cfg.implementations) * len(cfg.seq_lens)
-    last: dict[str, Row] = {}
+    last: dict[str, Row | None] = {}
     for impl in cfg.implementations:
         for seq_len in sorted(cfg.seq_lens):
             if progress:
@@ -489,19 +511,27 @@ def _fmt(value, width: int, precision: int) -> str:
 def format_table(result: BenchResult) -> str:
     cfg = result.config
     lines = [
-        f"device {cfg.device} ({result.machine.get('gpu', result.machine['cpu'])}), "
-        f"{result.machine['threads']} threads, {cfg.dtype}, B={cfg.batch} H={cfg.heads} D={cfg.head_dim}, "
-        f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}"
-        f"{', causal' if cfg.is_causal else ''}",
-        f"matmul reference: {result.matmul_gflops:.1f} GFLOP/s ({cfg.matmul_size} x {cfg.matmul_size} product, "
-        f"{cfg.dtype}, at the start); copy: {result.copy_gbps:.1f} GB/s (read + written)",
+        (
+            f"device {cfg.device} ({result.machine.get('gpu', result.machine['cpu'])}), "
+            f"{result.machine['threads']} threads, {cfg.dtype}, B={cfg.batch} H={cfg.heads} D={cfg.head_dim}, "
+            f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}"
+            f"{', causal' if cfg.is_causal else ''}"
+        ),
+        (
+            f"matmul reference: {result.matmul_gflops:.1f} GFLOP/s ({cfg.matmul_size} x {cfg.matmul_size} product, "
+            f"{cfg.dtype}, at the start); copy: {result.copy_gbps:.1f} GB/s (read + written)"
+        ),
         "floor = max(useful FLOPs / matmul rate, bytes of q, k, v, out (x3 with backward) / copy rate)",
-        "ratio = useful GFLOP/s / matmul GFLOP/s, median of runs alternating with the matmul; "
-        "mem = peak bytes a call adds (forward: output excluded) / bytes of q, k, v and output",
+        (
+            "ratio = useful GFLOP/s / matmul GFLOP/s, median of runs alternating with the matmul; "
+            "mem = peak bytes a call adds (forward: output excluded) / bytes of q, k, v and output"
+        ),
         "kernel = the fused kernel alone on one contiguous batch shaped like the first branch's work",
         "",
-        f"{'impl':13} {'N':>8} {'fwd ms':>9} {'floor':>8} {'tok/s':>9} {'GFLOP/s':>8} {'ratio':>6} "
-        f"{'f+b ms':>9} {'floor':>8} {'GFLOP/s':>8} {'ratio':>6} {'fwd mem':>8} {'f+b mem':>8}",
+        (
+            f"{'impl':13} {'N':>8} {'fwd ms':>9} {'floor':>8} {'tok/s':>9} {'GFLOP/s':>8} {'ratio':>6} "
+            f"{'f+b ms':>9} {'floor':>8} {'GFLOP/s':>8} {'ratio':>6} {'fwd mem':>8} {'f+b mem':>8}"
+        ),
     ]
     for r in result.rows:
         if r.fwd_ms is None:
@@ -516,7 +546,7 @@ def format_table(result: BenchResult) -> str:
             f"{_fmt(r.fwd_bwd_gflops, 8, 1)} {_fmt(r.fwd_bwd_ratio, 6, 2)} {_fmt(mem_f, 8, 2)} {_fmt(mem_fb, 8, 2)}"
         )
     kernels = sorted({f"{r.impl}: {r.kernels}" for r in result.rows if r.kernels})
-    return "\n".join(lines + ([""] + kernels if kernels else []))
+    return "\n".join(lines + (["", *kernels] if kernels else []))
 
 
 def to_json(result: BenchResult) -> dict:
@@ -541,10 +571,12 @@ def plot(result: BenchResult, path: str) -> None:
         ax_t.plot(n, [r.fwd_ms for r in rows], "o-", label=f"{impl} forward")
         if all(r.fwd_bwd_ms is not None for r in rows):
             ax_t.plot(n, [r.fwd_bwd_ms for r in rows], "s--", label=f"{impl} fwd+bwd")
-        if all(r.fwd_peak_added_bytes is not None for r in rows):
-            ax_m.plot(n, [max(r.fwd_peak_added_bytes, 1) / 2**20 for r in rows], "o-", label=f"{impl} forward")
-        if all(r.fwd_bwd_peak_added_bytes is not None for r in rows):
-            ax_m.plot(n, [max(r.fwd_bwd_peak_added_bytes, 1) / 2**20 for r in rows], "s--", label=f"{impl} fwd+bwd")
+        fwd_peaks = [r.fwd_peak_added_bytes for r in rows if r.fwd_peak_added_bytes is not None]
+        if len(fwd_peaks) == len(rows):
+            ax_m.plot(n, [max(p, 1) / 2**20 for p in fwd_peaks], "o-", label=f"{impl} forward")
+        fwd_bwd_peaks = [r.fwd_bwd_peak_added_bytes for r in rows if r.fwd_bwd_peak_added_bytes is not None]
+        if len(fwd_bwd_peaks) == len(rows):
+            ax_m.plot(n, [max(p, 1) / 2**20 for p in fwd_bwd_peaks], "s--", label=f"{impl} fwd+bwd")
     log_log([(ax_t, "time (ms)"), (ax_m, "peak memory added (MiB)")], "sequence length N")
     cfg = result.config
     save(

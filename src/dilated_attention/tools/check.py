@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -91,13 +90,13 @@ def default_cases() -> list[Case]:
         ("odd", 2, 61, 5, 8, (8, 24, 100), (1, 3, 5)),  # w > N, w % r != 0, short tail
         ("tiny", 1, 3, 3, 8, (4, 2), (2, 1)),
     ]
-    cases = []
-    for name, b, n, h, d, w, r in shapes:
-        for mode in ("mixture", "head_groups"):
-            for causal in (False, True):
-                for masked in (False, True):
-                    cases.append(Case(name, b, n, h, d, w, r, mode, causal, masked))
-    return cases
+    return [
+        Case(name, b, n, h, d, w, r, mode, causal, masked)
+        for name, b, n, h, d, w, r in shapes
+        for mode in ("mixture", "head_groups")
+        for causal in (False, True)
+        for masked in (False, True)
+    ]
 
 
 @dataclass
@@ -113,8 +112,9 @@ class CaseResult:
         return max(self.out_error, self.lse_error, self.grad_error) <= self.tolerance
 
 
-def run_case(case: Case, device, dtype, generator: Optional[torch.Generator] = None,
-             kernel: Optional[str] = None) -> CaseResult:
+def run_case(
+    case: Case, device, dtype, generator: torch.Generator | None = None, kernel: str | None = None
+) -> CaseResult:
     """Draw random inputs, run library (``kernel``: see :mod:`dilated_attention.ops.fused`)
     and reference, compare output, LSE and the gradients of ``q, k, v`` for a random
     output gradient."""
@@ -128,14 +128,23 @@ def run_case(case: Case, device, dtype, generator: Optional[torch.Generator] = N
     mask = None
     if case.masked:
         mask = (torch.rand(case.batch, case.seq_len, generator=generator) < 0.3).to(device)
-    kwargs = dict(mode=case.mode, is_causal=case.is_causal, key_padding_mask=mask)
+    branches = (case.segment_lengths, case.dilation_rates)
     out, lse = dilated_attention(
-        q, k, v, case.segment_lengths, case.dilation_rates, return_lse=True, kernel=kernel, **kwargs
+        q,
+        k,
+        v,
+        *branches,
+        mode=case.mode,
+        is_causal=case.is_causal,
+        key_padding_mask=mask,
+        return_lse=True,
+        kernel=kernel,
     )
     grads = torch.autograd.grad(out, (q, k, v), grad)
     ref_inputs = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
+    rq, rk, rv = ref_inputs
     ref_out, ref_lse = reference_dilated_attention(
-        *ref_inputs, case.segment_lengths, case.dilation_rates, **kwargs
+        rq, rk, rv, *branches, mode=case.mode, is_causal=case.is_causal, key_padding_mask=mask
     )
     ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad.to(torch.float64))
     return CaseResult(
@@ -156,7 +165,7 @@ def format_table(results: list[CaseResult]) -> str:
     for r in results:
         c = r.case
         lines.append(
-            f"{c.name:8} {c.mode:11} {str(c.is_causal):6} {str(c.masked):5} {c.batch:>2} "
+            f"{c.name:8} {c.mode:11} {c.is_causal!s:6} {c.masked!s:5} {c.batch:>2} "
             f"{c.seq_len:>4} {c.heads:>2} {r.out_error:9.2e} {r.lse_error:9.2e} "
             f"{r.grad_error:9.2e} {r.tolerance:8.0e}  {'yes' if r.ok else 'NO'}"
         )

@@ -7,18 +7,18 @@ import argparse
 import os
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .. import __version__
-from . import benchmark
 from ..ops import fused, validation
-from .arguments import Parser, device_type, number, positive_float, positive_int, positive_ints, seed
-from ..utils.extras import MissingExtra, require
-from ..utils.files import fresh_folder, write_results
 from ..ops.plan import MODES
 from ..training.commands import add_evaluate, add_generate, add_train
+from ..utils.extras import MissingExtra, require
+from ..utils.files import fresh_folder, write_results
+from . import benchmark
+from .arguments import Parser, device_type, number, positive_float, positive_int, positive_ints, seed
 
 DTYPES = validation.FLOAT_DTYPES
 
@@ -56,15 +56,16 @@ def _cmd_pattern(args) -> int:
         return 2
     if args.heads * args.length**2 > MAX_PATTERN_CELLS:
         longest = int((MAX_PATTERN_CELLS / args.heads) ** 0.5)
-        print(f"error: --length {args.length} with --heads {args.heads} is too large to draw "
-              f"({args.heads} pictures of {args.length}^2 cells): use --length <= {longest}", file=sys.stderr)
+        print(
+            f"error: --length {args.length} with --heads {args.heads} is too large to draw "
+            f"({args.heads} pictures of {args.length}^2 cells): use --length <= {longest}",
+            file=sys.stderr,
+        )
         return 2
     if args.mode == "head_groups":
         validation.check_head_groups(args.heads, len(segs))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    lines = draw_pattern(
-        args.out, args.length, args.heads, segs, rates, mode=args.mode, is_causal=args.causal
-    )
+    lines = draw_pattern(args.out, args.length, args.heads, segs, rates, mode=args.mode, is_causal=args.causal)
     print("\n".join(lines))
     print(f"wrote {args.out}")
     return 0
@@ -89,8 +90,19 @@ def _grid_pattern(args, segs, rates) -> int:
     if args.mode == "head_groups":
         validation.check_head_groups(heads, len(segs))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    table = draw_grid_pattern(args.out, height, width, segs, rates, args.order, query, num_heads=heads,
-                              head=args.head, mode=args.mode, head_offsets=args.head_offsets)
+    table = draw_grid_pattern(
+        args.out,
+        height,
+        width,
+        segs,
+        rates,
+        args.order,
+        query,
+        num_heads=heads,
+        head=args.head,
+        mode=args.mode,
+        head_offsets=args.head_offsets,
+    )
     print(table)
     print(f"wrote {args.out}")
     return 0
@@ -128,8 +140,13 @@ def _cmd_bench(args) -> int:
         matmul_size=args.matmul_size,
     )
     result = benchmark.run(cfg, progress=not args.quiet)
-    return _save_results(args, "bench", benchmark.to_json(result), benchmark.format_table(result),
-                         lambda path: benchmark.plot(result, path))
+    return _save_results(
+        args,
+        "bench",
+        benchmark.to_json(result),
+        benchmark.format_table(result),
+        lambda path: benchmark.plot(result, path),
+    )
 
 
 def _cmd_decode_bench(args) -> int:
@@ -137,13 +154,25 @@ def _cmd_decode_bench(args) -> int:
 
     segs, rates = _bench_setup(args)
     cfg = decode_benchmark.DecodeConfig(
-        positions=args.positions, segment_lengths=segs, dilation_rates=rates, heads=args.heads,
-        head_dim=args.head_dim, dtype=args.dtype, device=args.device, steps=args.steps,
-        dense_steps=args.dense_steps, batch=args.batch,
+        positions=args.positions,
+        segment_lengths=segs,
+        dilation_rates=rates,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        device=args.device,
+        steps=args.steps,
+        dense_steps=args.dense_steps,
+        batch=args.batch,
     )
     result = decode_benchmark.run(cfg)
-    return _save_results(args, "decode", decode_benchmark.to_json(result), decode_benchmark.format_table(result),
-                         lambda path: decode_benchmark.plot(result, path))
+    return _save_results(
+        args,
+        "decode",
+        decode_benchmark.to_json(result),
+        decode_benchmark.format_table(result),
+        lambda path: decode_benchmark.plot(result, path),
+    )
 
 
 def _save_results(args, kind: str, payload: dict, table: str, plot) -> int:
@@ -160,7 +189,7 @@ def _save_results(args, kind: str, payload: dict, table: str, plot) -> int:
     return 0
 
 
-def _bench_folder(out_dir: Optional[str]) -> str:
+def _bench_folder(out_dir: str | None) -> str:
     """``out_dir`` (created if missing), or by default a new folder in the current
     directory named after the time: a run never writes over an earlier one's results."""
     if out_dir is None:
@@ -177,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         "model and sample from it.",
     )
     parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {__version__} (torch {torch.__version__})",
+        "--version",
+        action="version",
+        version=f"%(prog)s {__version__} (torch {torch.__version__})",
         help="print the versions of dilated-attention and torch and exit",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,18 +229,28 @@ def _add_command(sub, name: str, sentence: str, description: str) -> argparse.Ar
 
 def _add_check(sub) -> None:
     check = _add_command(
-        sub, "check", "Compare the library with its float64 reference.",
+        sub,
+        "check",
+        "Compare the library with its float64 reference.",
         "Compare the library with its float64 reference on 24 configurations per dtype (both modes, "
         "causal or not, padding masks, odd and tiny lengths), print each case's errors and tolerance, "
         "and exit 1 if any case fails.",
     )
     check.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
-    check.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float64", "float32"],
-                       help="dtypes to check, each against its tolerance (default: float64 float32)")
+    check.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=list(DTYPES),
+        default=["float64", "float32"],
+        help="dtypes to check, each against its tolerance (default: float64 float32)",
+    )
     check.add_argument("--seed", type=seed, default=0, help="seed of the random inputs, in [0, 2**63) (default: 0)")
-    check.add_argument("--kernel", choices=fused.CHOICES,
-                       help="which kernels to check: auto (Triton on CUDA for float16/bfloat16, else PyTorch's), "
-                       "triton or torch (default: $DILATED_ATTENTION_KERNEL, else auto)")
+    check.add_argument(
+        "--kernel",
+        choices=fused.CHOICES,
+        help="which kernels to check: auto (Triton on CUDA for float16/bfloat16, else PyTorch's), "
+        "triton or torch (default: $DILATED_ATTENTION_KERNEL, else auto)",
+    )
     check.set_defaults(run=_cmd_check)
 
 
@@ -218,37 +259,80 @@ def _add_pattern(sub) -> None:
     from ..ops.plan import HEAD_OFFSETS
 
     pattern = _add_command(
-        sub, "pattern", "Draw each head's attention pattern as a PNG.",
+        sub,
+        "pattern",
+        "Draw each head's attention pattern as a PNG.",
         "Draw which keys each query attends to, one panel per head, as a PNG, and print one "
         "summary line per head. With --grid H W: for one patch of an H x W image, the patches it "
         "attends to in each branch, one row of panels per patch order, and print per order how "
         "compact the segments are on the image.",
     )
-    pattern.add_argument("--segment-lengths", type=positive_ints, nargs="+", metavar="W", required=True,
-                         help="segment length w of each branch, separated by spaces: 8 16 (required)")
-    pattern.add_argument("--dilation-rates", type=positive_ints, nargs="+", metavar="R", required=True,
-                         help="dilation rate r of each branch, as many as --segment-lengths, separated by "
-                         "spaces (required)")
-    pattern.add_argument("--length", type=positive_int, metavar="N",
-                         help="sequence length N, required without --grid (default: none)")
-    pattern.add_argument("--heads", type=positive_int, metavar="H",
-                         help="number of heads H, required without --grid (default: none; with --grid, the largest rate)")
-    pattern.add_argument("--mode", choices=MODES, default="mixture",
-                         help="how the branches share the heads (default: mixture)")
-    pattern.add_argument("--causal", action="store_true",
-                         help="queries attend only to keys at or before them (default: off)")
-    pattern.add_argument("--grid", type=positive_ints, nargs=2, metavar=("H", "W"),
-                         help="draw an image of H x W patches instead of a sequence (default: off)")
-    pattern.add_argument("--order", nargs="+", choices=ORDERS, default=list(ORDERS),
-                         help="with --grid: the patch orders to compare (default: all three)")
-    pattern.add_argument("--query", type=number(int, 0, several=True), nargs=2, metavar=("ROW", "COL"),
-                         help="with --grid: the query patch (default: the centre)")
-    pattern.add_argument("--head", type=int,
-                         help="with --grid: the head to draw (default: per branch, a head that keeps the query)")
-    pattern.add_argument("--head-offsets", choices=HEAD_OFFSETS, default="interleaved",
-                         help="with --grid: which offset a head uses in a branch (default: interleaved)")
-    pattern.add_argument("--out", default="pattern.png",
-                         help="PNG file to write; its folder is created if missing (default: pattern.png)")
+    pattern.add_argument(
+        "--segment-lengths",
+        type=positive_ints,
+        nargs="+",
+        metavar="W",
+        required=True,
+        help="segment length w of each branch, separated by spaces: 8 16 (required)",
+    )
+    pattern.add_argument(
+        "--dilation-rates",
+        type=positive_ints,
+        nargs="+",
+        metavar="R",
+        required=True,
+        help="dilation rate r of each branch, as many as --segment-lengths, separated by spaces (required)",
+    )
+    pattern.add_argument(
+        "--length", type=positive_int, metavar="N", help="sequence length N, required without --grid (default: none)"
+    )
+    pattern.add_argument(
+        "--heads",
+        type=positive_int,
+        metavar="H",
+        help="number of heads H, required without --grid (default: none; with --grid, the largest rate)",
+    )
+    pattern.add_argument(
+        "--mode", choices=MODES, default="mixture", help="how the branches share the heads (default: mixture)"
+    )
+    pattern.add_argument(
+        "--causal", action="store_true", help="queries attend only to keys at or before them (default: off)"
+    )
+    pattern.add_argument(
+        "--grid",
+        type=positive_ints,
+        nargs=2,
+        metavar=("H", "W"),
+        help="draw an image of H x W patches instead of a sequence (default: off)",
+    )
+    pattern.add_argument(
+        "--order",
+        nargs="+",
+        choices=ORDERS,
+        default=list(ORDERS),
+        help="with --grid: the patch orders to compare (default: all three)",
+    )
+    pattern.add_argument(
+        "--query",
+        type=number(int, 0, several=True),
+        nargs=2,
+        metavar=("ROW", "COL"),
+        help="with --grid: the query patch (default: the centre)",
+    )
+    pattern.add_argument(
+        "--head", type=int, help="with --grid: the head to draw (default: per branch, a head that keeps the query)"
+    )
+    pattern.add_argument(
+        "--head-offsets",
+        choices=HEAD_OFFSETS,
+        default="interleaved",
+        help="with --grid: which offset a head uses in a branch (default: interleaved)",
+    )
+    pattern.add_argument(
+        "--out",
+        default="pattern.png",
+        help="PNG file to write; its folder is created if missing (default: pattern.png)",
+    )
     pattern.set_defaults(run=_cmd_pattern)
 
 
@@ -256,80 +340,145 @@ def _add_run_options(bench, tensors: str, stem: str) -> None:
     """The options both benchmark commands share: device, dtype of ``tensors``, the
     attention's shape, threads, and where the results go (files named ``stem-...``)."""
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to run on (default: cpu)")
-    bench.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                       help=f"dtype of {tensors} (default: float32)")
-    bench.add_argument("--segment-lengths", type=positive_ints, nargs="+", metavar="W", default=[2048, 4096, 8192],
-                       help="segment length w of each branch, separated by spaces (default: 2048 4096 8192)")
-    bench.add_argument("--dilation-rates", type=positive_ints, nargs="+", metavar="R", default=[1, 2, 4],
-                       help="dilation rate r of each branch, separated by spaces (default: 1 2 4)")
+    bench.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help=f"dtype of {tensors} (default: float32)"
+    )
+    bench.add_argument(
+        "--segment-lengths",
+        type=positive_ints,
+        nargs="+",
+        metavar="W",
+        default=[2048, 4096, 8192],
+        help="segment length w of each branch, separated by spaces (default: 2048 4096 8192)",
+    )
+    bench.add_argument(
+        "--dilation-rates",
+        type=positive_ints,
+        nargs="+",
+        metavar="R",
+        default=[1, 2, 4],
+        help="dilation rate r of each branch, separated by spaces (default: 1 2 4)",
+    )
     bench.add_argument("--heads", type=positive_int, metavar="H", default=8, help="number of heads H (default: 8)")
-    bench.add_argument("--head-dim", type=positive_int, metavar="D", default=64,
-                       help="size D of each head (default: 64)")
-    bench.add_argument("--threads", type=positive_int,
-                       help="CPU threads, for torch.set_num_threads (default: torch's own)")
+    bench.add_argument(
+        "--head-dim", type=positive_int, metavar="D", default=64, help="size D of each head (default: 64)"
+    )
+    bench.add_argument(
+        "--threads", type=positive_int, help="CPU threads, for torch.set_num_threads (default: torch's own)"
+    )
     bench.add_argument("--no-plot", action="store_true", help="write no PNG plot (default: off)")
-    bench.add_argument("--out-dir", help="folder to write the results into, created if missing (default: a new "
-                       "folder dilated-attention-bench-YYYYmmdd-HHMMSS in the current directory)")
+    bench.add_argument(
+        "--out-dir",
+        help="folder to write the results into, created if missing (default: a new "
+        "folder dilated-attention-bench-YYYYmmdd-HHMMSS in the current directory)",
+    )
     bench.add_argument("--name", help=f"file name stem of the JSON, text and PNG files (default: {stem}-DEVICE-DTYPE)")
 
 
 def _add_bench(sub) -> None:
     bench = _add_command(
-        sub, "bench", "Time dense vs dilated attention; measure their memory.",
+        sub,
+        "bench",
+        "Time dense vs dilated attention; measure their memory.",
         "Time dense and dilated attention (forward, and forward+backward), measure the peak memory "
         "a call adds, compare their speed with a square matmul's, and write a JSON file, a text "
         "table and a plot into a new folder (or --out-dir).",
     )
     _add_run_options(bench, "q, k, v", "bench")
-    bench.add_argument("--seq-lens", type=positive_ints, nargs="+", metavar="N", help="sequence lengths N to measure, "
-                       "separated by spaces (default: powers of 2 from 4096 to 131072 on CPU, to 1048576 on CUDA)")
+    bench.add_argument(
+        "--seq-lens",
+        type=positive_ints,
+        nargs="+",
+        metavar="N",
+        help="sequence lengths N to measure, "
+        "separated by spaces (default: powers of 2 from 4096 to 131072 on CPU, to 1048576 on CUDA)",
+    )
     bench.add_argument("--batch", type=positive_int, metavar="B", default=1, help="batch size B (default: 1)")
-    bench.add_argument("--causal", action="store_true",
-                       help="queries attend only to keys at or before them (default: off)")
+    bench.add_argument(
+        "--causal", action="store_true", help="queries attend only to keys at or before them (default: off)"
+    )
     impls = benchmark.IMPLEMENTATIONS
-    bench.add_argument("--impl", nargs="+", choices=benchmark.ALL_IMPLEMENTATIONS, default=list(impls),
-                       help="implementations to measure: dense is PyTorch SDPA, kernel the fused kernel alone, "
-                       "mixture and head_groups the library (the fused Triton kernels where they apply), "
-                       "mixture-torch the library on PyTorch's kernels, flex PyTorch's FlexAttention computing the "
-                       f"same mixture (default: {' '.join(impls)})")
-    bench.add_argument("--repeats", type=positive_int, default=3,
-                       help="timed runs per measurement, of which the median counts (default: 3)")
-    bench.add_argument("--max-seconds", type=positive_float, default=60.0,
-                       help="skip a measurement predicted to take longer, such as dense at large N (default: 60)")
-    bench.add_argument("--matmul-size", type=positive_int, default=4096,
-                       help="side of the square matmul the speed ratios refer to (default: 4096)")
+    bench.add_argument(
+        "--impl",
+        nargs="+",
+        choices=benchmark.ALL_IMPLEMENTATIONS,
+        default=list(impls),
+        help="implementations to measure: dense is PyTorch SDPA, kernel the fused kernel alone, "
+        "mixture and head_groups the library (the fused Triton kernels where they apply), "
+        "mixture-torch the library on PyTorch's kernels, flex PyTorch's FlexAttention computing the "
+        f"same mixture (default: {' '.join(impls)})",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed runs per measurement, of which the median counts (default: 3)",
+    )
+    bench.add_argument(
+        "--max-seconds",
+        type=positive_float,
+        default=60.0,
+        help="skip a measurement predicted to take longer, such as dense at large N (default: 60)",
+    )
+    bench.add_argument(
+        "--matmul-size",
+        type=positive_int,
+        default=4096,
+        help="side of the square matmul the speed ratios refer to (default: 4096)",
+    )
     bench.add_argument("--no-backward", action="store_true", help="time the forward only (default: off)")
     bench.add_argument("--no-memory", action="store_true", help="do not measure peak memory (default: off)")
-    bench.add_argument("--quiet", action="store_true", help="no progress on stderr (default: off, so a bar on a "
-                       "terminal, else a line per measurement)")
+    bench.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (default: off, so a bar on a terminal, else a line per measurement)",
+    )
     bench.set_defaults(run=_cmd_bench)
 
 
 def _add_decode_bench(sub) -> None:
     bench = _add_command(
-        sub, "decode-bench", "Time one-token decode steps: DilatedKVCache vs a dense KV cache.",
+        sub,
+        "decode-bench",
+        "Time one-token decode steps: DilatedKVCache vs a dense KV cache.",
         "Time one-token steps of DilatedKVCache and of a preallocated dense KV cache (SDPA over every "
         "cached key, PyTorch's fastest backend for it; on CUDA also both captured in CUDA graphs) at several "
         "positions, for one sequence, a batch at one position and a left-padded batch; measure the caches' "
         "memory, and write a JSON file, a text table and a plot into a new folder (or --out-dir).",
     )
-    bench.add_argument("--positions", type=positive_ints, nargs="+", metavar="P",
-                       default=[1, 1024, 4096, 8192, 65536, 2**20],
-                       help="positions (tokens already seen) to measure at, separated by spaces "
-                       "(default: 1 1024 4096 8192 65536 1048576)")
-    bench.add_argument("--batch", type=positive_int, default=8,
-                       help="sequences of the two batched runs, one at a single position and one left-padded "
-                       "(default: 8)")
+    bench.add_argument(
+        "--positions",
+        type=positive_ints,
+        nargs="+",
+        metavar="P",
+        default=[1, 1024, 4096, 8192, 65536, 2**20],
+        help="positions (tokens already seen) to measure at, separated by spaces "
+        "(default: 1 1024 4096 8192 65536 1048576)",
+    )
+    bench.add_argument(
+        "--batch",
+        type=positive_int,
+        default=8,
+        help="sequences of the two batched runs, one at a single position and one left-padded (default: 8)",
+    )
     _add_run_options(bench, "the caches", "decode")
-    bench.add_argument("--steps", type=positive_int, default=8192,
-                       help="one-token steps timed per position for the dilated cache; lcm of the segment lengths "
-                       "covers every phase of the segments (default: 8192)")
-    bench.add_argument("--dense-steps", type=positive_int, default=16,
-                       help="one-token steps timed per position for the dense cache (default: 16)")
+    bench.add_argument(
+        "--steps",
+        type=positive_int,
+        default=8192,
+        help="one-token steps timed per position for the dilated cache; lcm of the segment lengths "
+        "covers every phase of the segments (default: 8192)",
+    )
+    bench.add_argument(
+        "--dense-steps",
+        type=positive_int,
+        default=16,
+        help="one-token steps timed per position for the dense cache (default: 16)",
+    )
     bench.set_defaults(run=_cmd_decode_bench)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

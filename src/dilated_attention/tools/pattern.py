@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ..utils.plotting import pyplot, save
 from ..reference import attention_weights_uniform, branch_offsets
+from ..utils.plotting import pyplot, save
 
 
 def summarize_heads(weights: torch.Tensor, offsets: list[torch.Tensor]) -> list[str]:
@@ -79,8 +79,14 @@ def draw_pattern(
     return summarize_heads(weights, offsets)
 
 
-def attended_cells(order: torch.Tensor, query: int, segment_length: int, dilation_rate: int,
-                   offsets: torch.Tensor, head: Optional[int] = None) -> tuple[torch.Tensor, Optional[int]]:
+def attended_cells(
+    order: torch.Tensor,
+    query: int,
+    segment_length: int,
+    dilation_rate: int,
+    offsets: torch.Tensor,
+    head: int | None = None,
+) -> tuple[torch.Tensor, int | None]:
     """The row-major indices of the patches that the patch ``query`` (a row-major
     index) attends to in a branch ``(w, r)`` whose heads use ``offsets`` (``-1``: not
     in the branch), with the patches laid out in ``order``, and the head: ``head``, or
@@ -102,8 +108,10 @@ def grid_locality_table(height: int, width: int, segment_lengths: Sequence[int],
     segment and the mean bounding box of a segment, as a text table."""
     from ..nn.ordering import grid_order, locality
 
-    lines = [f"{height} x {width} grid: neighbour pairs inside one segment, mean segment bounding box (rows x cols)",
-             f"{'order':<10}" + "".join(f"{f'w={w}':>22}" for w in segment_lengths)]
+    lines = [
+        f"{height} x {width} grid: neighbour pairs inside one segment, mean segment bounding box (rows x cols)",
+        f"{'order':<10}" + "".join(f"{f'w={w}':>22}" for w in segment_lengths),
+    ]
     for kind in orders:
         cells = []
         for w in segment_lengths:
@@ -123,7 +131,7 @@ def draw_grid_pattern(
     query: tuple[int, int],
     *,
     num_heads: int = 1,
-    head: Optional[int] = None,
+    head: int | None = None,
     mode: str = "mixture",
     head_offsets: str = "interleaved",
 ) -> str:
@@ -138,13 +146,12 @@ def draw_grid_pattern(
     offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode, head_offsets)
     columns = len(segment_lengths) + 1
     scale = 2.6 * min(1.0, max(width / height, 0.5))
-    fig, axes = plt.subplots(len(orders), columns, figsize=(scale * columns, 2.6 * len(orders) + 0.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(orders), columns, figsize=(scale * columns, 2.6 * len(orders) + 0.4), squeeze=False)
     index = query[0] * width + query[1]
     for row, kind in enumerate(orders):
         order = grid_order(kind, height, width)
         count = torch.zeros(height * width)
-        for branch, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+        for branch, (w, r) in enumerate(zip(segment_lengths, dilation_rates, strict=True)):
             image = torch.zeros(height * width)
             cells, shown = attended_cells(order, index, w, r, offsets[branch], head)
             image[cells] = 1.0
@@ -152,8 +159,10 @@ def draw_grid_pattern(
             label = "no head keeps it" if shown is None else f"head {shown}: {len(cells)} patches"
             _grid_panel(axes[row][branch], image, height, width, query, f"{kind}: w={w}, r={r}\n{label}")
         _grid_panel(axes[row][-1], count, height, width, query, f"{kind}: all branches\n(shade: branches)")
-    title = (f"patch (row {query[0]}, col {query[1]}) of a {height} x {width} grid, {num_heads} heads "
-             f"({mode}, {head_offsets} offsets)")
+    title = (
+        f"patch (row {query[0]}, col {query[1]}) of a {height} x {width} grid, {num_heads} heads "
+        f"({mode}, {head_offsets} offsets)"
+    )
     save(fig, path, title, fontsize=10, caption="Shaded: the patches the query patch (red) attends to.")
     return grid_locality_table(height, width, segment_lengths, orders)
 

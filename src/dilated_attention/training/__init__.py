@@ -10,5 +10,14 @@ from .run_folder import read_log, read_run_config
 from .settings import TrainSettings
 from .trainer import load_model, train
 
-__all__ = ["TrainSettings", "train", "load_model", "read_log", "read_run_config", "Corpus", "load_corpus", "evaluate_run",
-           "tasks"]
+__all__ = [
+    "Corpus",
+    "TrainSettings",
+    "evaluate_run",
+    "load_corpus",
+    "load_model",
+    "read_log",
+    "read_run_config",
+    "tasks",
+    "train",
+]

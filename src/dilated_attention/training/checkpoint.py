@@ -15,7 +15,6 @@ import errno
 import os
 import shlex
 import zipfile
-from typing import Optional
 
 import torch
 
@@ -49,7 +48,7 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
     return path
 
 
-def _out_of_space(exc: BaseException) -> bool:
+def _out_of_space(exc: BaseException | None) -> bool:
     """Whether ``exc``, or an error it was raised while handling (``torch.save``
     reports a failed write as a ``RuntimeError``), is a full disk or quota."""
     while exc is not None:
@@ -59,13 +58,13 @@ def _out_of_space(exc: BaseException) -> bool:
     return False
 
 
-def damage(path: str) -> Optional[str]:
+def damage(path: str) -> str | None:
     """Why the file ``path`` is not a whole ``torch.save`` archive, or ``None``: every
     record is read and checked against its CRC-32."""
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
-    except Exception as exc:  # whatever a damaged archive makes zipfile raise
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged archive makes zipfile raise
         return f"not a readable archive: {type(exc).__name__}: {str(exc)[:200]}"
     return None if bad is None else f"the bytes of its record {bad} do not match their checksum"
 
@@ -85,10 +84,12 @@ def load_checkpoint(run_dir: str, name: str = CHECKPOINT) -> dict:
         raise ValueError(f"{path} is damaged ({problem}), so it is not used. {_recovery(run_dir, name)}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # whatever a damaged file makes torch.load raise
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged file makes torch.load raise
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise ValueError(f"{path} is not a readable checkpoint ({type(exc).__name__}: {reason}); it is damaged or "
-                         "was not written by dilated-attention train") from None
+        raise ValueError(
+            f"{path} is not a readable checkpoint ({type(exc).__name__}: {reason}); it is damaged or "
+            "was not written by dilated-attention train"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dilated-attention training checkpoint (format {FORMAT} expected)")
     missing = [key for key in KEYS if key not in state]
@@ -107,5 +108,7 @@ def _recovery(run_dir: str, damaged: str) -> str:
     except ValueError:
         return f"The checkpoint before it, {previous}, is damaged too: train a new run."
     back = f"mv {shlex.quote(previous)} {shlex.quote(os.path.join(run_dir, CHECKPOINT))}"
-    return (f"The checkpoint before it, of step {step}, is intact: to go back to it, run `{back}`, then the "
-            f"command again (a resumed run trains the steps after {step} again).")
+    return (
+        f"The checkpoint before it, of step {step}, is intact: to go back to it, run `{back}`, then the "
+        f"command again (a resumed run trains the steps after {step} again)."
+    )

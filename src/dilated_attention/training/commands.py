@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from ..tools.arguments import device_type, number, seed
 from ..models import PRESETS, LongNetConfig
+from ..tools.arguments import device_type, number, seed
 from . import checkpoint, run_folder, tasks
 from .run_folder import read_log, read_run_config
 from .settings import AUTOCAST_DTYPES, TrainSettings
@@ -27,8 +27,12 @@ _SETTINGS = [
     ("--context", "context", number(int, 1), "tokens (bytes) per training sequence"),
     ("--batch-size", "batch_size", number(int, 1), "sequences per step, over all processes"),
     ("--steps", "steps", number(int, 1), "total optimizer steps, also when resuming (the schedule's length)"),
-    ("--minutes", "minutes", number(float, 0, False),
-     "stop after this much training time in this invocation (evaluation not counted); resume later"),
+    (
+        "--minutes",
+        "minutes",
+        number(float, 0, False),
+        "stop after this much training time in this invocation (evaluation not counted); resume later",
+    ),
     ("--lr", "lr", number(float, 0, False), "peak learning rate"),
     ("--warmup-steps", "warmup_steps", number(int, 0), "steps of linear warmup, then a cosine to lr/10"),
     ("--weight-decay", "weight_decay", number(float, 0), "AdamW weight decay on matrices"),
@@ -37,14 +41,20 @@ _SETTINGS = [
     ("--eval-interval", "eval_interval", number(int, 1), "steps between validation losses"),
     ("--eval-windows", "eval_windows", number(int, 1), "validation sequences per evaluation"),
     ("--checkpoint-interval", "checkpoint_interval", number(int, 1), "steps between checkpoints"),
-    ("--task-fraction", "task_fraction", number(float, 0),
-     "with --task: the fraction of training sequences that are task examples"),
+    (
+        "--task-fraction",
+        "task_fraction",
+        number(float, 0),
+        "with --task: the fraction of training sequences that are task examples",
+    ),
 ]
 
 
 def add_train(sub, add_command) -> None:
     p = add_command(
-        sub, "train", "Train a LongNet language model on bytes (resumable).",
+        sub,
+        "train",
+        "Train a LongNet language model on bytes (resumable).",
         "Train a decoder-only LongNet (causal dilated attention) on UTF-8 text as bytes: by default on the "
         "Python standard library's own sources. Writes config.json, log.jsonl, loss.png and checkpoint.pt "
         "(the one before it kept as checkpoint.previous.pt) into the run folder, which one process holds at a "
@@ -53,36 +63,55 @@ def add_train(sub, add_command) -> None:
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--out", type=folder, help=f"the run folder (default: a new folder {RUNS}/YYYYmmdd-HHMMSS-PID)")
-    where.add_argument("--resume", type=folder, metavar="RUN_DIR",
-                       help="continue this run exactly where its checkpoint left it (default: start a new run)")
+    where.add_argument(
+        "--resume",
+        type=folder,
+        metavar="RUN_DIR",
+        help="continue this run exactly where its checkpoint left it (default: start a new run)",
+    )
     model = p.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=sorted(PRESETS), help="model preset (default: tiny)")
-    model.add_argument("--config", metavar="JSON",
-                       help="a LongNetConfig as a JSON file, instead of --preset (default: the preset)")
+    model.add_argument(
+        "--config", metavar="JSON", help="a LongNetConfig as a JSON file, instead of --preset (default: the preset)"
+    )
     p.add_argument("--data", help="a UTF-8 text file or a folder of them (default: the standard library's sources)")
     defaults = TrainSettings()
     for option, name, kind, text in _SETTINGS:
         shown = {"minutes": "no limit", "context": f"{defaults.context}, or the longest segment if longer"}.get(
-            name, getattr(defaults, name))
+            name, getattr(defaults, name)
+        )
         p.add_argument(option, dest=name, type=kind, help=f"{text} (default: {shown})")
-    p.add_argument("--task", choices=tasks.TASKS,
-                   help="mix examples of this long-range retrieval task into the training text (see the evaluate "
-                   "command), at random distances up to the context (default: none)")
-    p.add_argument("--dtype", choices=sorted(AUTOCAST_DTYPES), help="compute dtype; bfloat16 runs under autocast, "
-                   f"on CPU too (default: {defaults.dtype})")
-    p.add_argument("--grad-checkpointing", action="store_true", default=None,
-                   help="recompute each block's activations in backward: less memory (default: off)")
-    p.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="under torchrun, split every sequence across the processes instead of the batch "
-                   "(default: off, data parallel)")
+    p.add_argument(
+        "--task",
+        choices=tasks.TASKS,
+        help="mix examples of this long-range retrieval task into the training text (see the evaluate "
+        "command), at random distances up to the context (default: none)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(AUTOCAST_DTYPES),
+        help=f"compute dtype; bfloat16 runs under autocast, on CPU too (default: {defaults.dtype})",
+    )
+    p.add_argument(
+        "--grad-checkpointing",
+        action="store_true",
+        default=None,
+        help="recompute each block's activations in backward: less memory (default: off)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        default=None,
+        help="under torchrun, split every sequence across the processes instead of the batch "
+        "(default: off, data parallel)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: a progress bar)")
     p.set_defaults(run=_cmd_train)
 
 
 def _given_settings(args) -> dict:
-    names = [name for _, name, _, _ in _SETTINGS] + ["dtype", "grad_checkpointing", "sequence_parallel", "data",
-                                                   "task"]
+    names = [name for _, name, _, _ in _SETTINGS] + ["dtype", "grad_checkpointing", "sequence_parallel", "data", "task"]
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
@@ -105,8 +134,9 @@ def _cmd_train(args) -> int:
         # The process id keeps runs started in the same second apart.
         run_dir = args.out or os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     try:
-        summary = train(run_dir, settings, config, resume=bool(args.resume), device=args.device,
-                        progress=not args.no_progress)
+        summary = train(
+            run_dir, settings, config, resume=bool(args.resume), device=args.device, progress=not args.no_progress
+        )
     except BaseException:
         if not args.resume and not args.out:
             _remove_if_unused(run_dir)
@@ -151,12 +181,16 @@ def _report(summary: dict) -> None:
     records = read_log(summary["run_dir"])
     evaluated = [r for r in records if "val_bpb" in r]
     print(f"trained {summary['parameters']:,} parameters on {summary['corpus']}")
-    losses = (f": training loss {records[0]['bpb']:.2f} -> {records[-1]['bpb']:.2f} bits per byte" if records
-              else " (no steps logged)")
+    losses = (
+        f": training loss {records[0]['bpb']:.2f} -> {records[-1]['bpb']:.2f} bits per byte"
+        if records
+        else " (no steps logged)"
+    )
     earlier = f", the sessions before step {summary['resumed_from']} included" if summary["resumed_from"] else ""
-    print(f"step {summary['step']}/{summary['steps']} ({summary['stopped']}) after {summary['elapsed_s']:.0f} s of "
-          f"training in all{earlier}{losses}"
-          + (f", validation {evaluated[-1]['val_bpb']:.2f}" if evaluated else ""))
+    print(
+        f"step {summary['step']}/{summary['steps']} ({summary['stopped']}) after {summary['elapsed_s']:.0f} s of "
+        f"training in all{earlier}{losses}" + (f", validation {evaluated[-1]['val_bpb']:.2f}" if evaluated else "")
+    )
     print(f"run folder: {summary['run_dir']} (log.jsonl, loss.png, checkpoint.pt)")
     if summary["stopped"] != "done":
         print(f"continue with: dilated-attention train --resume {summary['run_dir']}")
@@ -164,21 +198,37 @@ def _report(summary: dict) -> None:
 
 def add_generate(sub, add_command) -> None:
     p = add_command(
-        sub, "generate", "Sample text from a trained run, streaming it.",
+        sub,
+        "generate",
+        "Sample text from a trained run, streaming it.",
         "Sample text from the latest checkpoint of a run folder through the model's cache (memory "
         "bounded by the longest segment, however long the text), print it as it comes, then the "
         "speed and the cache's size.",
     )
-    p.add_argument("--run", dest="run_dir", type=folder, metavar="RUN_DIR",
-                   help=f"the run folder (default: the newest under {RUNS}/)")
-    p.add_argument("--prompt", required=True,
-                   help="the text to continue, taken as the bytes the command line passes (required)")
+    p.add_argument(
+        "--run",
+        dest="run_dir",
+        type=folder,
+        metavar="RUN_DIR",
+        help=f"the run folder (default: the newest under {RUNS}/)",
+    )
+    p.add_argument(
+        "--prompt", required=True, help="the text to continue, taken as the bytes the command line passes (required)"
+    )
     p.add_argument("--max-new-tokens", type=number(int, 0), default=200, help="bytes to sample (default: 200)")
-    p.add_argument("--temperature", type=number(float, 0), default=0.8,
-                   help="sampling temperature; 0 always takes the likeliest byte (default: 0.8)")
+    p.add_argument(
+        "--temperature",
+        type=number(float, 0),
+        default=0.8,
+        help="sampling temperature; 0 always takes the likeliest byte (default: 0.8)",
+    )
     p.add_argument("--top-k", type=number(int, 1), help="sample among the k likeliest bytes (default: all)")
-    p.add_argument("--top-p", type=number(float, 0, False), default=0.95,
-                   help="sample among the likeliest bytes whose probability reaches p (default: 0.95)")
+    p.add_argument(
+        "--top-p",
+        type=number(float, 0, False),
+        default=0.95,
+        help="sample among the likeliest bytes whose probability reaches p (default: 0.95)",
+    )
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampling, in [0, 2**63) (default: 0)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
     p.set_defaults(run=_cmd_generate)
@@ -186,7 +236,9 @@ def add_generate(sub, add_command) -> None:
 
 def add_evaluate(sub, add_command) -> None:
     p = add_command(
-        sub, "evaluate", "Score a trained run on long-range retrieval, by distance.",
+        sub,
+        "evaluate",
+        "Score a trained run on long-range retrieval, by distance.",
         "Score the latest checkpoint of a run folder on a synthetic retrieval task at distances between fact "
         "and question from the shortest up to the run's context, in powers of two: passkey (a five-digit key "
         "hidden once in text of the run's validation split, asked for at the end) or recall (key-value pairs, "
@@ -194,13 +246,21 @@ def add_evaluate(sub, add_command) -> None:
         "decoding writes the answer exactly. Prints a table and writes retrieval-TASK.json, .txt and .png "
         "(accuracy and answer loss against distance, each branch's reach marked) into the run folder.",
     )
-    p.add_argument("--run", dest="run_dir", type=folder, metavar="RUN_DIR",
-                   help=f"the run folder (default: the newest under {RUNS}/)")
+    p.add_argument(
+        "--run",
+        dest="run_dir",
+        type=folder,
+        metavar="RUN_DIR",
+        help=f"the run folder (default: the newest under {RUNS}/)",
+    )
     p.add_argument("--task", required=True, choices=tasks.TASKS, help="the task (required)")
     p.add_argument("--examples", type=number(int, 1), default=32, help="examples per distance (default: 32)")
-    p.add_argument("--max-distance", type=number(int, 1),
-                   help="the longest distance; beyond the context, examples grow longer than the training "
-                   "sequences (default: as far as the run's context allows)")
+    p.add_argument(
+        "--max-distance",
+        type=number(int, 1),
+        help="the longest distance; beyond the context, examples grow longer than the training "
+        "sequences (default: as far as the run's context allows)",
+    )
     p.add_argument("--batch-size", type=number(int, 1), default=8, help="examples per forward pass (default: 8)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the examples, in [0, 2**63) (default: 0)")
     p.add_argument("--out", type=folder, help="folder for the results (default: the run folder)")
@@ -213,10 +273,19 @@ def _cmd_evaluate(args) -> int:
 
     run_dir = args.run_dir or newest_run()
     if args.max_distance is not None and args.max_distance < tasks.min_distance(args.task):
-        raise ValueError(f"--max-distance must be at least {tasks.min_distance(args.task)} for {args.task}, got "
-                         f"{args.max_distance}")
-    result = evaluate_run(run_dir, args.task, examples=args.examples, max_distance=args.max_distance,
-                          seed=args.seed, batch_size=args.batch_size, device=device_type(args.device), out=args.out)
+        raise ValueError(
+            f"--max-distance must be at least {tasks.min_distance(args.task)} for {args.task}, got {args.max_distance}"
+        )
+    result = evaluate_run(
+        run_dir,
+        args.task,
+        examples=args.examples,
+        max_distance=args.max_distance,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        device=device_type(args.device),
+        out=args.out,
+    )
     print(format_table(result))
     print(f"wrote {os.path.join(args.out or run_dir, 'retrieval-' + args.task)}.json, .txt and .png", file=sys.stderr)
     return 0
@@ -240,8 +309,10 @@ def _cmd_generate(args) -> int:
     run_dir = args.run_dir or newest_run()
     model = load_model(run_dir, device)
     if model.config.vocab_size != 256:
-        raise ValueError(f"generate reads and writes text as bytes, but {run_dir}'s model has vocab_size "
-                         f"{model.config.vocab_size}, not 256")
+        raise ValueError(
+            f"generate reads and writes text as bytes, but {run_dir}'s model has vocab_size "
+            f"{model.config.vocab_size}, not 256"
+        )
     # The bytes as passed, also where they are not UTF-8 (the model reads bytes).
     prompt_bytes = os.fsencode(args.prompt)
     prompt = torch.tensor(list(prompt_bytes), dtype=torch.long)
@@ -253,15 +324,25 @@ def _cmd_generate(args) -> int:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(decoder.decode(prompt_bytes))
     started, count = time.perf_counter(), 0
-    for token in stream(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, generator=generator, cache=cache):
+    for token in stream(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        generator=generator,
+        cache=cache,
+    ):
         sys.stdout.write(decoder.decode(bytes([int(token)])))
         sys.stdout.flush()
         count += 1
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
     seconds = time.perf_counter() - started
-    print(f"{count} tokens in {seconds:.2f} s ({count / max(seconds, 1e-9):.1f} tokens/s, prompt included in the "
-          f"time); cache {cache.nbytes / 2**10:.0f} KiB (stays below "
-          f"{cache.max_nbytes() / 2**10:.0f} KiB after a token, however long the text)",
-          file=sys.stderr)
+    print(
+        f"{count} tokens in {seconds:.2f} s ({count / max(seconds, 1e-9):.1f} tokens/s, prompt included in the "
+        f"time); cache {cache.nbytes / 2**10:.0f} KiB (stays below "
+        f"{cache.max_nbytes() / 2**10:.0f} KiB after a token, however long the text)",
+        file=sys.stderr,
+    )
     return 0

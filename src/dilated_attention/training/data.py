@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sysconfig
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, overload
 
 import torch
 
@@ -44,7 +44,11 @@ def _files_under(folder: str, suffix: str = "", skipped=frozenset()) -> list[str
     return found
 
 
-def _read_utf8(path: str, strict: bool) -> Optional[bytes]:
+@overload
+def _read_utf8(path: str, strict: Literal[True]) -> bytes: ...
+@overload
+def _read_utf8(path: str, strict: Literal[False]) -> bytes | None: ...
+def _read_utf8(path: str, strict: bool) -> bytes | None:
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -58,13 +62,13 @@ def _read_utf8(path: str, strict: bool) -> Optional[bytes]:
         if not strict:
             return None
         raise ValueError(
-            f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r}); train on UTF-8 "
+            f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r}); train on UTF-8 "
             "text files only: convert it (e.g. iconv -t UTF-8) or move it out of the data folder"
         ) from None
     return data
 
 
-def load_corpus(path: Optional[str] = None) -> Corpus:
+def load_corpus(path: str | None = None) -> Corpus:
     """The text of ``path`` (a UTF-8 file, or a folder: all its files, recursively, in
     sorted order), or by default the standard library's ``.py`` sources (files that
     are not UTF-8 left out), split into training and validation bytes."""
@@ -115,8 +119,15 @@ class Batches:
     The batches depend only on ``seed`` and on how many came before, which
     ``state_dict`` keeps."""
 
-    def __init__(self, data: torch.Tensor, context: int, batch_size: int, seed: int, task: Optional[str] = None,
-                 task_fraction: float = 0.0):
+    def __init__(
+        self,
+        data: torch.Tensor,
+        context: int,
+        batch_size: int,
+        seed: int,
+        task: str | None = None,
+        task_fraction: float = 0.0,
+    ):
         self.data, self.context, self.batch_size = data, context, batch_size
         self.task, self.task_fraction = task, task_fraction
         self.generator = torch.Generator().manual_seed(seed)

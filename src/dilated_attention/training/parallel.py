@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,7 @@ class Parallel:
         dist.all_gather_object(values, value)
         return values
 
-    def on_main(self, fn: Callable[[], T]) -> Optional[T]:
+    def on_main(self, fn: Callable[[], T]) -> T | None:
         """``fn()`` on rank 0 only: its result there, ``None`` elsewhere. A ``ValueError``
         it raises is raised on every rank (a collective), so that all ranks stop alike."""
         result, error = None, None
@@ -110,11 +111,11 @@ class Parallel:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
 
 
-def setup(sequence_parallel: bool, device: Optional[str]) -> Parallel:
+def setup(sequence_parallel: bool, device: str | None) -> Parallel:
     """Join the process group ``torchrun`` describes in the environment (if any), and
     pick this rank's device (``cuda:LOCAL_RANK`` on GPUs)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -132,5 +133,6 @@ def setup(sequence_parallel: bool, device: Optional[str]) -> Parallel:
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
-    return Parallel(rank=rank, world=world, mode="sequence" if sequence_parallel else "data", device=dev,
-                    owns_group=owns)
+    return Parallel(
+        rank=rank, world=world, mode="sequence" if sequence_parallel else "data", device=dev, owns_group=owns
+    )

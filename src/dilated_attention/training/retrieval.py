@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -48,8 +48,18 @@ def distances(task: str, max_distance: int) -> list[int]:
     return [2**k for k in range(int(math.log2(first)), int(math.log2(max(max_distance, first))) + 1)]
 
 
-def score(model: Model, task: str, context: int, at: Sequence[int], examples: int = 32, *, seed: int = 0,
-          batch_size: int = 8, filler: Optional[torch.Tensor] = None, device=None) -> RetrievalResult:
+def score(
+    model: Model,
+    task: str,
+    context: int,
+    at: Sequence[int],
+    examples: int = 32,
+    *,
+    seed: int = 0,
+    batch_size: int = 8,
+    filler: torch.Tensor | None = None,
+    device=None,
+) -> RetrievalResult:
     """Score ``model`` on ``examples`` examples of ``task`` at each distance of ``at``.
 
     Examples are ``context`` bytes long, or as long as a distance needs beyond that.
@@ -63,8 +73,9 @@ def score(model: Model, task: str, context: int, at: Sequence[int], examples: in
     result = RetrievalResult(task, tasks.chance(task))
     for distance in at:
         length = max(context, tasks.min_length(task, distance))
-        generator = torch.Generator().manual_seed(validation.check_int(seed, "seed", 0, validation.SEED_LIMIT)
-                                                  * 1_000_003 + distance)
+        generator = torch.Generator().manual_seed(
+            validation.check_int(seed, "seed", 0, validation.SEED_LIMIT) * 1_000_003 + distance
+        )
         made = [tasks.make_example(task, length, distance, generator, filler) for _ in range(examples)]
         right, bits = 0, 0.0
         for first in range(0, examples, batch_size):
@@ -82,14 +93,20 @@ def score(model: Model, task: str, context: int, at: Sequence[int], examples: in
 
 def format_table(result: RetrievalResult) -> str:
     about = ", ".join(f"{k} {v}" for k, v in result.about.items() if k in ("run", "context", "branches"))
-    lines = [f"{result.task}: accuracy (answered exactly; chance {result.chance:g}) and answer loss by distance"
-             + (f" ({about})" if about else ""),
-             f"{'distance':>9} {'bytes':>7} {'examples':>8} {'accuracy':>9} {'answer bits/byte':>17}"]
-    for s in result.scores:
-        lines.append(f"{s.distance:>9} {s.length:>7} {s.examples:>8} {s.accuracy:>9.3f} {s.answer_bits:>17.3f}")
+    lines = [
+        f"{result.task}: accuracy (answered exactly; chance {result.chance:g}) and answer loss by distance"
+        + (f" ({about})" if about else ""),
+        f"{'distance':>9} {'bytes':>7} {'examples':>8} {'accuracy':>9} {'answer bits/byte':>17}",
+    ]
+    lines += [
+        f"{s.distance:>9} {s.length:>7} {s.examples:>8} {s.accuracy:>9.3f} {s.answer_bits:>17.3f}"
+        for s in result.scores
+    ]
     if result.reach:
-        lines.append("farthest each branch reaches back (its segment length): "
-                     + ", ".join(f"{label}: {distance}" for label, distance in result.reach))
+        lines.append(
+            "farthest each branch reaches back (its segment length): "
+            + ", ".join(f"{label}: {distance}" for label, distance in result.reach)
+        )
     return "\n".join(lines)
 
 
@@ -124,17 +141,31 @@ def plot(results: Sequence[tuple[str, RetrievalResult]], path: str, title: str) 
         ax.set_xscale("log", base=2)
         ax.grid(True, which="both", alpha=0.3)
     top.legend(fontsize=7)
-    save(fig, path, title, caption="dotted: each branch's segment length (the farthest it reaches back); "
-                                   "grey: chance (top), a uniform guess (bottom)")
+    save(
+        fig,
+        path,
+        title,
+        caption="dotted: each branch's segment length (the farthest it reaches back); "
+        "grey: chance (top), a uniform guess (bottom)",
+    )
 
 
 def branch_reach(segment_lengths: Sequence[int], dilation_rates: Sequence[int]) -> list[tuple[str, int]]:
     """Each branch's segment length, labelled: no query attends further back."""
-    return [(f"w={w}, r={r}", w) for w, r in zip(segment_lengths, dilation_rates)]
+    return [(f"w={w}, r={r}", w) for w, r in zip(segment_lengths, dilation_rates, strict=True)]
 
 
-def evaluate_run(run_dir: str, task: str, *, examples: int = 32, max_distance: Optional[int] = None, seed: int = 0,
-                 batch_size: int = 8, device=None, out: Optional[str] = None) -> RetrievalResult:
+def evaluate_run(
+    run_dir: str,
+    task: str,
+    *,
+    examples: int = 32,
+    max_distance: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    device=None,
+    out: str | None = None,
+) -> RetrievalResult:
     """Score a run's latest checkpoint on ``task`` at distances up to ``max_distance``
     (default: the run's training context); write ``retrieval-<task>.json``, ``.txt``
     and ``.png`` into ``out`` (default: the run folder). A passkey hides in text of
@@ -151,16 +182,33 @@ def evaluate_run(run_dir: str, task: str, *, examples: int = 32, max_distance: O
     max_distance = validation.check_int(max_distance, "max_distance", tasks.min_distance(task), 2**40)
     model = load_model(run_dir, device or "cpu")
     filler = load_corpus(settings.data).validation if task == "passkey" else None
-    result = score(model, task, settings.context, distances(task, max_distance), examples, seed=seed,
-                   batch_size=batch_size, filler=filler, device=next(model.parameters()).device)
+    result = score(
+        model,
+        task,
+        settings.context,
+        distances(task, max_distance),
+        examples,
+        seed=seed,
+        batch_size=batch_size,
+        filler=filler,
+        device=next(model.parameters()).device,
+    )
     result.reach = branch_reach(config.segment_lengths, config.dilation_rates)
-    result.about = {"run": run_dir, "context": settings.context,
-                    "branches": f"w={list(config.segment_lengths)} r={list(config.dilation_rates)}",
-                    "model": config.to_dict(), "examples": examples, "seed": seed}
+    result.about = {
+        "run": run_dir,
+        "context": settings.context,
+        "branches": f"w={list(config.segment_lengths)} r={list(config.dilation_rates)}",
+        "model": config.to_dict(),
+        "examples": examples,
+        "seed": seed,
+    }
     out = run_dir if out is None else out
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, f"retrieval-{task}")
     write_results(stem, to_json(result), format_table(result))
-    plot([(os.path.basename(os.path.normpath(run_dir)), result)], stem + ".png",
-         f"{task} retrieval by distance: {run_dir} (context {settings.context})")
+    plot(
+        [(os.path.basename(os.path.normpath(run_dir)), result)],
+        stem + ".png",
+        f"{task} retrieval by distance: {run_dir} (context {settings.context})",
+    )
     return result

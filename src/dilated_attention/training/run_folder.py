@@ -9,10 +9,10 @@ import errno
 import json
 import os
 import re
-from typing import Optional
+import sys
 
-from ..utils.files import TEMPORARY_SUFFIX, atomic_write
 from ..models import LongNetConfig
+from ..utils.files import TEMPORARY_SUFFIX, atomic_write
 from .settings import TrainSettings
 
 CONFIG = "config.json"
@@ -32,7 +32,7 @@ class RunLock:
     def __init__(self, run_dir: str):
         path = os.path.join(run_dir, LOCK)
         try:  # never through a link: the lock file is written
-            self._fd: Optional[int] = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as exc:
             if os.path.islink(path):
                 raise ValueError(f"{path} is a symbolic link, not the run's lock file: remove it") from None
@@ -40,7 +40,7 @@ class RunLock:
         try:
             _lock(self._fd)
         except OSError as exc:
-            holder = self._holder()
+            holder = _holder(self._fd)
             self.release()
             if exc.errno not in (errno.EACCES, errno.EAGAIN, errno.EDEADLK):
                 raise ValueError(f"cannot lock the run folder {run_dir} ({exc.strerror})") from None
@@ -52,21 +52,13 @@ class RunLock:
         os.lseek(self._fd, 0, os.SEEK_SET)
         os.write(self._fd, f"{os.getpid()}\n".encode("ascii"))
 
-    def _holder(self) -> str:
-        """The PID the lock file holds, as text (``unknown`` if it cannot be read)."""
-        try:
-            os.lseek(self._fd, 0, os.SEEK_SET)
-            return os.read(self._fd, 32).decode("ascii", "replace").strip() or "unknown"
-        except OSError:  # Windows: the holder's locked byte cannot be read
-            return "unknown"
-
     def release(self) -> None:
         """Give the lock up (closing the file does); a second call does nothing."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -75,14 +67,23 @@ class RunLock:
 
 def _lock(fd: int) -> None:
     """Lock ``fd`` exclusively without waiting; ``OSError`` if another process holds it."""
-    try:
-        import fcntl
-    except ImportError:  # Windows
+    if sys.platform == "win32":
         import msvcrt
 
         msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-        return
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    else:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _holder(fd: int) -> str:
+    """The PID the lock file ``fd`` holds, as text (``unknown`` if it cannot be read)."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.read(fd, 32).decode("ascii", "replace").strip() or "unknown"
+    except OSError:  # Windows: the holder's locked byte cannot be read
+        return "unknown"
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:
@@ -121,8 +122,9 @@ def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
     path = os.path.join(run_dir, CONFIG)
     if not os.path.isfile(path):
         if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= {LOCK}:
-            raise ValueError(f"{run_dir} holds no run: one was stopped before it wrote {CONFIG}; start it anew "
-                             f"with --out {run_dir}")
+            raise ValueError(
+                f"{run_dir} holds no run: one was stopped before it wrote {CONFIG}; start it anew with --out {run_dir}"
+            )
         raise ValueError(f"{run_dir} is not a training run folder: {path} is missing")
     try:
         with open(path, encoding="utf-8") as f:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -35,7 +34,7 @@ class TrainSettings:
     context: int = 512
     batch_size: int = 8
     steps: int = 600
-    minutes: Optional[float] = None
+    minutes: float | None = None
     lr: float = 3e-3
     warmup_steps: int = 30
     min_lr_ratio: float = 0.1
@@ -44,12 +43,12 @@ class TrainSettings:
     dtype: str = "float32"
     grad_checkpointing: bool = False
     seed: int = 0
-    data: Optional[str] = None
+    data: str | None = None
     eval_interval: int = 50
     eval_windows: int = 16
     checkpoint_interval: int = 100
     sequence_parallel: bool = False
-    task: Optional[str] = None
+    task: str | None = None
     task_fraction: float = 0.5
 
     def __post_init__(self):
@@ -57,11 +56,15 @@ class TrainSettings:
             setattr(self, name, validation.check_positive_int(getattr(self, name), name))
         self.warmup_steps = validation.check_non_negative_int(self.warmup_steps, "warmup_steps")
         self.seed = validation.check_int(self.seed, "seed", 0, validation.SEED_LIMIT)
-        self.lr = validation.check_number(self.lr, "lr", 0, 1, low_open=True,
-                                          meaning=" (AdamW moves each weight by about lr per step)")
+        self.lr = validation.check_number(
+            self.lr, "lr", 0, 1, low_open=True, meaning=" (AdamW moves each weight by about lr per step)"
+        )
         self.min_lr_ratio = validation.check_number(self.min_lr_ratio, "min_lr_ratio", 0, 1)
         self.weight_decay = validation.check_number(
-            self.weight_decay, "weight_decay", 0, 1 / self.lr,
+            self.weight_decay,
+            "weight_decay",
+            0,
+            1 / self.lr,
             meaning=" (AdamW multiplies each matrix by 1 - lr * weight_decay per step)",
         )
         self.grad_clip = validation.check_number(self.grad_clip, "grad_clip", 0, low_open=True)

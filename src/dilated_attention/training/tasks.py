@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -67,8 +66,9 @@ def chance(task: str) -> float:
     return 10.0 ** -(PASSKEY_DIGITS if check_task(task) == "passkey" else RECALL_VALUE)
 
 
-def make_example(task: str, length: int, distance: int, generator: torch.Generator,
-                 filler: Optional[torch.Tensor] = None) -> Example:
+def make_example(
+    task: str, length: int, distance: int, generator: torch.Generator, filler: torch.Tensor | None = None
+) -> Example:
     """One example of ``task``, ``length`` bytes, its fact ``distance`` bytes before
     its answer. ``filler`` (uint8 text, ``passkey`` only; default: spaces and
     newlines at random) fills the rest around the fact."""
@@ -76,8 +76,10 @@ def make_example(task: str, length: int, distance: int, generator: torch.Generat
     if distance < min_distance(task):
         raise ValueError(f"distance must be at least {min_distance(task)} for {task}, got {distance}")
     if length < min_length(task, distance):
-        raise ValueError(f"length must be at least {min_length(task, distance)} for a {task} example at distance "
-                         f"{distance}, got {length}")
+        raise ValueError(
+            f"length must be at least {min_length(task, distance)} for a {task} example at distance "
+            f"{distance}, got {length}"
+        )
     if task == "passkey":
         return _passkey(length, distance, generator, filler)
     return _recall(length, distance, generator)
@@ -97,7 +99,7 @@ def _text(data: torch.Tensor, count: int, generator: torch.Generator) -> bytes:
     return bytes(data[start : start + count].tolist())
 
 
-def _passkey(length: int, distance: int, generator: torch.Generator, filler: Optional[torch.Tensor]) -> Example:
+def _passkey(length: int, distance: int, generator: torch.Generator, filler: torch.Tensor | None) -> Example:
     key = _digits(PASSKEY_DIGITS, generator)
     if filler is None:
         filler = torch.tensor(list(b" \n"), dtype=torch.uint8)[torch.randint(0, 2, (4096,), generator=generator)]
@@ -105,8 +107,15 @@ def _passkey(length: int, distance: int, generator: torch.Generator, filler: Opt
     fact_at = answer_at - distance  # the fact's first digit
     before = fact_at - len(PASSKEY_FACT)
     between = distance - PASSKEY_DIGITS - 1 - len(PASSKEY_QUESTION)  # after the fact's closing quote
-    text = (_text(filler, before, generator) + PASSKEY_FACT + key + b'"' + _text(filler, between, generator)
-            + PASSKEY_QUESTION + key)
+    text = (
+        _text(filler, before, generator)
+        + PASSKEY_FACT
+        + key
+        + b'"'
+        + _text(filler, between, generator)
+        + PASSKEY_QUESTION
+        + key
+    )
     return Example(_bytes(text, length), PASSKEY_DIGITS, distance)
 
 
@@ -123,7 +132,8 @@ def _recall(length: int, distance: int, generator: torch.Generator) -> Example:
     def stream(count: int) -> bytes:
         """``count`` bytes of pairs (new ones, or repeats of this stream's earlier
         ones; never the queried key), then spaces to the exact length."""
-        out, seen = [], []
+        out: list[bytes] = []
+        seen: list[int] = []
         for _ in range(count // _PAIR):
             repeat = seen and float(torch.rand((), generator=generator)) < 0.25
             index = seen[int(torch.randint(0, len(seen), (), generator=generator))] if repeat else next(others)
@@ -149,11 +159,17 @@ def sample_distance(task: str, length: int, generator: torch.Generator) -> int:
     """A distance for a training example: log-uniform from the shortest to the
     longest the length allows."""
     low, high = min_distance(task), length - min_length(task, 0)
-    return int(round(math.exp(math.log(low) + float(torch.rand((), generator=generator)) * math.log(high / low))))
+    return round(math.exp(math.log(low) + float(torch.rand((), generator=generator)) * math.log(high / low)))
 
 
-def mix_into(inputs: torch.Tensor, targets: torch.Tensor, task: str, fraction: float, generator: torch.Generator,
-             filler: Optional[torch.Tensor] = None) -> None:
+def mix_into(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    task: str,
+    fraction: float,
+    generator: torch.Generator,
+    filler: torch.Tensor | None = None,
+) -> None:
     """Replace about ``fraction`` of the rows of a training batch (``inputs, targets``
     int64 ``(B, N)``, next-byte pairs) by examples of ``task``, in place, each at a
     random distance (:func:`sample_distance`)."""

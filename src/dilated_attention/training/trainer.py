@@ -7,6 +7,7 @@ resumed run computes the same losses, step for step, as one that was never inter
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import math
@@ -14,16 +15,17 @@ import os
 import signal
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
 
-from ..utils.extras import require
 from ..models import LongNetConfig, LongNetLM
+from ..utils.extras import require
 from . import checkpoint, parallel, run_folder, tasks
 from .data import Batches, check_long_enough, evaluation_starts, load_corpus, windows
 from .settings import AUTOCAST_DTYPES, TrainSettings
+
 
 def load_model(run_dir: str, device="cpu") -> LongNetLM:
     """The model of a run's latest checkpoint, in eval mode."""
@@ -37,8 +39,11 @@ def load_model(run_dir: str, device="cpu") -> LongNetLM:
 def _matching_config(run_dir: str, config: LongNetConfig, state: dict) -> LongNetConfig:
     saved = LongNetConfig.from_dict(state["model_config"])
     if saved != config:
-        changed = {name: (value, getattr(saved, name)) for name, value in config.to_dict().items()
-                   if value != saved.to_dict()[name]}
+        changed = {
+            name: (value, getattr(saved, name))
+            for name, value in config.to_dict().items()
+            if value != saved.to_dict()[name]
+        }
         differences = ", ".join(f"{name} {ours!r} vs {theirs!r}" for name, (ours, theirs) in changed.items())
         raise ValueError(
             f"{os.path.join(run_dir, run_folder.CONFIG)} describes a different model than {run_dir}'s checkpoint "
@@ -67,18 +72,19 @@ class _StopRequest:
 
     def __enter__(self):
         for sig in self.SIGNALS:
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread: the signals keep their usual meaning
                 self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: the signals keep their usual meaning
-                pass
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint (Ctrl-C again "
-              "stops at once)", file=sys.stderr)
+        print(
+            f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint (Ctrl-C again "
+            "stops at once)",
+            file=sys.stderr,
+        )
 
     def __exit__(self, *exc):
         for sig, previous in self._previous.items():
@@ -87,12 +93,12 @@ class _StopRequest:
 
 def train(
     run_dir: str,
-    settings: Optional[TrainSettings] = None,
-    model_config: Optional[LongNetConfig] = None,
+    settings: TrainSettings | None = None,
+    model_config: LongNetConfig | None = None,
     *,
     resume: bool = False,
-    device: Optional[str] = None,
-    callback: Optional[Callable[[dict], None]] = None,
+    device: str | None = None,
+    callback: Callable[[dict], None] | None = None,
     progress: bool = True,
 ) -> dict:
     """Train (or with ``resume=True`` continue) the run in ``run_dir``; return a summary.
@@ -122,8 +128,10 @@ def _write_failure(exc: OSError, run_dir: str) -> str:
     """The message for a failed write into ``run_dir``."""
     where = exc.filename or run_dir
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (f"no space left on the device writing {where}; the latest checkpoint in {run_dir} is intact: free "
-                f"some space, then continue the run with --resume {run_dir}")
+        return (
+            f"no space left on the device writing {where}; the latest checkpoint in {run_dir} is intact: free "
+            f"some space, then continue the run with --resume {run_dir}"
+        )
     return f"cannot write {where} ({exc.strerror}); the latest checkpoint in {run_dir} is intact"
 
 
@@ -187,12 +195,15 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
     if place.rank:  # the same initialisation everywhere, then each rank's own dropout masks
         torch.manual_seed(settings.seed + 1_000_003 * place.rank)
     optimizer = torch.optim.AdamW(
-        _parameter_groups(model, settings.weight_decay), lr=settings.lr, betas=(0.9, 0.95),
+        _parameter_groups(model, settings.weight_decay),
+        lr=settings.lr,
+        betas=(0.9, 0.95),
         fused=place.device.type == "cuda",
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: settings.learning_rate(step) / settings.lr)
-    batches = Batches(corpus.train, settings.context, settings.batch_size, settings.seed, settings.task,
-                      settings.task_fraction)
+    batches = Batches(
+        corpus.train, settings.context, settings.batch_size, settings.seed, settings.task, settings.task_fraction
+    )
     step, elapsed = 0, 0.0
     if state is not None:
         model.load_state_dict(state["model"])
@@ -225,22 +236,32 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
         at most ``batch_size`` (so that memory does not grow with their number)."""
         model.eval()
         with torch.no_grad():
-            total = place.sum(sum(
-                loss_sum(model, *windows(corpus.validation, starts, settings.context))
-                for starts in evaluation.split(settings.batch_size)
-            ))
+            total = place.sum(
+                sum(
+                    loss_sum(model, *windows(corpus.validation, starts, settings.context))
+                    for starts in evaluation.split(settings.batch_size)
+                )
+            )
         model.train()
         return float(total) / (len(evaluation) * settings.context) / math.log(2)
 
     def save():
         rng = place.gather(_rng_state(place.device))  # a collective: every rank calls save
         if place.is_main:
-            checkpoint.save_checkpoint(run_dir, {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "data": batches.state_dict(), "step": step,
-                "elapsed_s": elapsed, "model_config": model_config.to_dict(), "rng": rng,
-                "settings": _fixed_settings(settings),
-            })
+            checkpoint.save_checkpoint(
+                run_dir,
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "data": batches.state_dict(),
+                    "step": step,
+                    "elapsed_s": elapsed,
+                    "model_config": model_config.to_dict(),
+                    "rng": rng,
+                    "settings": _fixed_settings(settings),
+                },
+            )
 
     if state is None:
         save()  # step 0: a run is resumable from its start
@@ -264,8 +285,14 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
             loss = float(place.sum(summed.detach())) / count
             seconds = time.perf_counter() - tick
             elapsed, session = elapsed + seconds, session + seconds
-            record = {"step": step, "loss": loss, "bpb": loss / math.log(2), "lr": scheduler.get_last_lr()[0],
-                      "tokens_per_s": count / seconds, "elapsed_s": elapsed}
+            record = {
+                "step": step,
+                "loss": loss,
+                "bpb": loss / math.log(2),
+                "lr": scheduler.get_last_lr()[0],
+                "tokens_per_s": count / seconds,
+                "elapsed_s": elapsed,
+            }
             speed.add(count, seconds)
             last = step == settings.steps
             out_of_time = _agree(place, settings.minutes is not None and session >= 60 * settings.minutes)
@@ -285,16 +312,22 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
             stop_now = out_of_time or interrupted
             if step % settings.checkpoint_interval == 0 or last or stop_now:
                 save()
-            if "val_bpb" in record or last or stop_now:
-                if place.is_main:
-                    run_folder.plot(run_dir)
+            if ("val_bpb" in record or last or stop_now) and place.is_main:
+                run_folder.plot(run_dir)
             if stop_now:
                 stop_reason = "interrupted" if interrupted else "out of time"
                 break
     bar.close()
-    return {"run_dir": run_dir, "step": step, "steps": settings.steps, "stopped": stop_reason,
-            "elapsed_s": elapsed, "corpus": corpus.source, "parameters": model.num_parameters(),
-            "resumed_from": first_step}
+    return {
+        "run_dir": run_dir,
+        "step": step,
+        "steps": settings.steps,
+        "stopped": stop_reason,
+        "elapsed_s": elapsed,
+        "corpus": corpus.source,
+        "parameters": model.num_parameters(),
+        "resumed_from": first_step,
+    }
 
 
 class _Speed:
@@ -311,13 +344,16 @@ class _Speed:
         return self.tokens / max(self.seconds, 1e-9)
 
 
-def _resumed_settings(saved: TrainSettings, given: Optional[TrainSettings]) -> TrainSettings:
+def _resumed_settings(saved: TrainSettings, given: TrainSettings | None) -> TrainSettings:
     """The saved settings with ``given``'s ``steps`` and ``minutes`` (a time limit is
     per invocation: a resumed run has none unless given one)."""
     if given is None:
         return dataclasses.replace(saved, minutes=None)
-    changed = {f.name for f in dataclasses.fields(TrainSettings)
-               if getattr(given, f.name) != getattr(saved, f.name) and f.name not in ("steps", "minutes")}
+    changed = {
+        f.name
+        for f in dataclasses.fields(TrainSettings)
+        if getattr(given, f.name) != getattr(saved, f.name) and f.name not in ("steps", "minutes")
+    }
     if changed:
         raise ValueError(f"a resumed run keeps its settings; only steps and minutes may change, not {sorted(changed)}")
     return dataclasses.replace(saved, steps=given.steps, minutes=given.minutes)
@@ -333,10 +369,13 @@ def _check_model(model_config: LongNetConfig, settings: TrainSettings) -> None:
         raise ValueError(
             f"train reads text as bytes: the model's vocab_size must be 256, got {model_config.vocab_size}"
         )
-    if settings.task is not None and settings.context + 1 < tasks.min_length(settings.task, tasks.min_distance(
-            settings.task)):
-        raise ValueError(f"--context {settings.context} is too short for {settings.task} examples: use --context >= "
-                         f"{tasks.min_length(settings.task, tasks.min_distance(settings.task)) - 1}")
+    if settings.task is not None and settings.context + 1 < tasks.min_length(
+        settings.task, tasks.min_distance(settings.task)
+    ):
+        raise ValueError(
+            f"--context {settings.context} is too short for {settings.task} examples: use --context >= "
+            f"{tasks.min_length(settings.task, tasks.min_distance(settings.task)) - 1}"
+        )
     if settings.context < model_config.max_segment:
         raise ValueError(
             f"--context {settings.context} is shorter than the longest segment ({model_config.max_segment}): the "
@@ -360,7 +399,7 @@ def _check_split(settings: TrainSettings, place) -> None:
         raise ValueError(f"--context {settings.context} is shorter than the {place.world} sequence shards")
 
 
-def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> Optional[dict]:
+def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> dict | None:
     """The checkpoint to resume, checked against the run's configuration and log;
     ``None`` for a run stopped before its first checkpoint (it starts from step 0)."""
     if run_folder.never_started(run_dir):
@@ -371,9 +410,11 @@ def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSet
     _check_model(model_config, settings)
     # settings that checkpoints of earlier versions lack have their defaults
     if {**_fixed_settings(TrainSettings()), **state["settings"]} != _fixed_settings(settings):
-        raise ValueError(f"{os.path.join(run_dir, run_folder.CONFIG)}'s training settings differ from those of "
-                         f"{run_dir}'s "
-                         "checkpoint: restore config.json")
+        raise ValueError(
+            f"{os.path.join(run_dir, run_folder.CONFIG)}'s training settings differ from those of "
+            f"{run_dir}'s "
+            "checkpoint: restore config.json"
+        )
     if settings.steps < state["step"]:
         raise ValueError(f"{run_dir} has done {state['step']} steps already: --steps (the total) must be at least that")
     run_folder.read_log(run_dir)  # a damaged log fails here, on every rank
@@ -409,6 +450,9 @@ def _progress_bar(total: int, initial: int, enabled: bool):
 
 
 def _print_evaluation(record: dict, steps: int, tokens_per_s: float) -> None:
-    print(f"step {record['step']}/{steps}: loss {record['bpb']:.3f} bits per byte, validation "
-          f"{record['val_bpb']:.3f}, {tokens_per_s:.0f} tokens/s since the last evaluation", file=sys.stderr,
-          flush=True)
+    print(
+        f"step {record['step']}/{steps}: loss {record['bpb']:.3f} bits per byte, validation "
+        f"{record['val_bpb']:.3f}, {tokens_per_s:.0f} tokens/s since the last evaluation",
+        file=sys.stderr,
+        flush=True,
+    )

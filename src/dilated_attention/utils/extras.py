@@ -21,8 +21,10 @@ class MissingExtra(ImportError):
 def install_hint(extra: str, modules=None) -> str:
     """The commands that install ``extra`` (or just ``modules`` of it)."""
     names = " ".join(f"'{name}'" if ">" in name else name for name in modules or EXTRAS[extra])
-    return (f"install it with `python3 -m pip install -e \".[{extra}]\"` in a clone of dilated-attention, "
-            f"or `python3 -m pip install {names}`")
+    return (
+        f'install it with `python3 -m pip install -e ".[{extra}]"` in a clone of dilated-attention, '
+        f"or `python3 -m pip install {names}`"
+    )
 
 
 def require(extra: str, feature: str) -> None:
@@ -35,5 +37,6 @@ def require(extra: str, feature: str) -> None:
         except ImportError:
             missing.append(module)
     if missing:
-        raise MissingExtra(f"{feature} needs {' and '.join(missing)} (the '{extra}' extra): "
-                           f"{install_hint(extra, missing)}")
+        raise MissingExtra(
+            f"{feature} needs {' and '.join(missing)} (the '{extra}' extra): {install_hint(extra, missing)}"
+        )

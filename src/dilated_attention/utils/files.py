@@ -7,7 +7,8 @@ import json
 import os
 import shutil
 import uuid
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 # The suffix of atomic_write's temporary files (``.NAME.<random hex>.tmp``).
 TEMPORARY_SUFFIX = ".tmp"
@@ -30,7 +31,7 @@ def atomic_write(path: str, binary: bool = False) -> Iterator[IO]:
     A reader of ``path`` sees the old file or the new one, never part of one."""
     temporary = temporary_path(path)
     mode, encoding = ("xb", None) if binary else ("x", "utf-8")
-    f = open(temporary, mode, encoding=encoding)
+    f = open(temporary, mode, encoding=encoding)  # noqa: SIM115 - opened before the try: a failed open removes nothing
     try:
         with f:
             yield f
