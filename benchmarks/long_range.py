@@ -28,8 +28,7 @@ import torch
 
 from dilated_attention.models import LongNetConfig
 from dilated_attention.tools.benchmark import machine_info
-from dilated_attention.training import TrainSettings, load_model, read_log, train
-from dilated_attention.training import retrieval, tasks
+from dilated_attention.training import TrainSettings, load_model, read_log, retrieval, tasks, train
 from dilated_attention.training.data import load_corpus
 from dilated_attention.utils.files import write_results
 
@@ -51,8 +50,12 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=8.0, help="training time per set-up (default: 8)")
     parser.add_argument("--context", type=int, default=4096, help="training context, a multiple of 16 (default: 4096)")
     parser.add_argument("--task", choices=tasks.TASKS, default="passkey", help="the task (default: passkey)")
-    parser.add_argument("--task-fraction", type=float, default=0.5,
-                        help="share of training sequences that are task examples (default: 0.5)")
+    parser.add_argument(
+        "--task-fraction",
+        type=float,
+        default=0.5,
+        help="share of training sequences that are task examples (default: 0.5)",
+    )
     parser.add_argument("--examples", type=int, default=32, help="examples per distance (default: 32)")
     parser.add_argument("--only", nargs="+", choices=("dilated", "local", "dense"), help="run only these set-ups")
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
@@ -65,28 +68,51 @@ def main() -> int:
         for name, (segment_lengths, dilation_rates) in setups(args.context).items():
             if args.only and name not in args.only:
                 continue
-            config = LongNetConfig(dim=128, depth=4, heads=8, ffn_dim=512, segment_lengths=segment_lengths,
-                                   dilation_rates=dilation_rates)
+            config = LongNetConfig(
+                dim=128, depth=4, heads=8, ffn_dim=512, segment_lengths=segment_lengths, dilation_rates=dilation_rates
+            )
             # A constant learning rate after warmup: the run stops on time, not at the end of a schedule.
-            settings = TrainSettings(context=args.context, batch_size=4, steps=10**6, minutes=args.minutes,
-                                     warmup_steps=30, min_lr_ratio=1.0, eval_interval=10**6, eval_windows=4,
-                                     checkpoint_interval=10**6, task=args.task, task_fraction=args.task_fraction)
+            settings = TrainSettings(
+                context=args.context,
+                batch_size=4,
+                steps=10**6,
+                minutes=args.minutes,
+                warmup_steps=30,
+                min_lr_ratio=1.0,
+                eval_interval=10**6,
+                eval_windows=4,
+                checkpoint_interval=10**6,
+                task=args.task,
+                task_fraction=args.task_fraction,
+            )
             run_dir = os.path.join(folder, name)
-            print(f"training {name} (w={list(segment_lengths)}, r={list(dilation_rates)}) for {args.minutes} min",
-                  file=sys.stderr, flush=True)
+            print(
+                f"training {name} (w={list(segment_lengths)}, r={list(dilation_rates)}) for {args.minutes} min",
+                file=sys.stderr,
+                flush=True,
+            )
             summary = train(run_dir, settings, config, progress=False)
             log = read_log(run_dir)
             model = load_model(run_dir)
             filler = corpus.validation if args.task == "passkey" else None
-            result = retrieval.score(model, args.task, args.context,
-                                     retrieval.distances(args.task, args.context - tasks.min_length(args.task, 0)),
-                                     args.examples, filler=filler)
+            result = retrieval.score(
+                model,
+                args.task,
+                args.context,
+                retrieval.distances(args.task, args.context - tasks.min_length(args.task, 0)),
+                args.examples,
+                filler=filler,
+            )
             result.reach = retrieval.branch_reach(segment_lengths, dilation_rates)
-            result.about = {"setup": name, "branches": f"w={list(segment_lengths)} r={list(dilation_rates)}",
-                            "steps": summary["step"], "train_s": summary["elapsed_s"],
-                            "tokens_per_s": summary["step"] * settings.batch_size * settings.context
-                            / summary["elapsed_s"],
-                            "final_train_bpb": log[-1]["bpb"], "val_bpb": log[-1].get("val_bpb")}
+            result.about = {
+                "setup": name,
+                "branches": f"w={list(segment_lengths)} r={list(dilation_rates)}",
+                "steps": summary["step"],
+                "train_s": summary["elapsed_s"],
+                "tokens_per_s": summary["step"] * settings.batch_size * settings.context / summary["elapsed_s"],
+                "final_train_bpb": log[-1]["bpb"],
+                "val_bpb": log[-1].get("val_bpb"),
+            }
             print(retrieval.format_table(result), file=sys.stderr, flush=True)
             results.append((name, result))
             runs[name] = {"model": config.to_dict(), "settings": dataclasses.asdict(settings)}
@@ -99,26 +125,51 @@ def main() -> int:
     text = table(results, args, machine)
     print(text)
     stem = os.path.join(HERE, "results", f"long-range-{args.task}-cpu")
-    write_results(stem, {"machine": machine, "task": args.task, "minutes": args.minutes, "context": args.context,
-                         "task_fraction": args.task_fraction, "runs": runs,
-                         "results": {name: retrieval.to_json(r) for name, r in results}}, text)
-    retrieval.plot(results, stem + ".png", f"{args.task} retrieval by distance after {args.minutes:g} min of "
-                   f"training each, context {args.context} ({machine['cpu']}, float32)")
+    write_results(
+        stem,
+        {
+            "machine": machine,
+            "task": args.task,
+            "minutes": args.minutes,
+            "context": args.context,
+            "task_fraction": args.task_fraction,
+            "runs": runs,
+            "results": {name: retrieval.to_json(r) for name, r in results},
+        },
+        text,
+    )
+    retrieval.plot(
+        results,
+        stem + ".png",
+        f"{args.task} retrieval by distance after {args.minutes:g} min of "
+        f"training each, context {args.context} ({machine['cpu']}, float32)",
+    )
     return 0
 
 
 def table(results, args, machine) -> str:
-    lines = [f"{args.task} retrieval by distance: the same LongNet (4 layers, 128 dims, 8 heads) trained "
-             f"{args.minutes:g} min each at context {args.context}, {args.task_fraction:g} of the sequences task "
-             f"examples; {machine['cpu']}, {machine.get('threads', 2)} threads, float32, torch {torch.__version__}",
-             "",
-             f"{'set-up':8} {'branches':32} {'steps':>6} {'tokens/s':>9} {'train bpb':>10}"]
+    lines = [
+        (
+            f"{args.task} retrieval by distance: the same LongNet (4 layers, 128 dims, 8 heads) trained "
+            f"{args.minutes:g} min each at context {args.context}, {args.task_fraction:g} of the sequences task "
+            f"examples; {machine['cpu']}, {machine.get('threads', 2)} threads, float32, torch {torch.__version__}"
+        ),
+        "",
+        f"{'set-up':8} {'branches':32} {'steps':>6} {'tokens/s':>9} {'train bpb':>10}",
+    ]
     for name, r in results:
         a = r.about
-        lines.append(f"{name:8} {a['branches']:32} {a['steps']:>6} {a['tokens_per_s']:>9.0f} "
-                     f"{a['final_train_bpb']:>10.3f}")
-    lines += ["", "accuracy (answered exactly, {} examples per distance; chance {:g}) / answer loss in bits per "
-              "byte".format(args.examples, results[0][1].chance if results else 0.0)]
+        lines.append(
+            f"{name:8} {a['branches']:32} {a['steps']:>6} {a['tokens_per_s']:>9.0f} {a['final_train_bpb']:>10.3f}"
+        )
+    chance = results[0][1].chance if results else 0.0
+    lines += [
+        "",
+        (
+            f"accuracy (answered exactly, {args.examples} examples per distance; chance {chance:g}) / answer loss "
+            "in bits per byte"
+        ),
+    ]
     lines.append(f"{'distance':>9} " + " ".join(f"{name:>16}" for name, _ in results))
     for i, score in enumerate(results[0][1].scores if results else []):
         cells = [f"{r.scores[i].accuracy:>7.3f} / {r.scores[i].answer_bits:>6.2f}" for _, r in results]

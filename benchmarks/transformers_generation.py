@@ -39,13 +39,20 @@ def measure(setup: str, length: int, new_tokens: int) -> dict:
     """One ``generate`` call in this process."""
     from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria
 
-    from dilated_attention.tools.benchmark import PeakMemory
     from dilated_attention.integrations.transformers import DilatedCache, held_bytes, register
+    from dilated_attention.tools.benchmark import PeakMemory
 
     register("dilated", **BRANCHES)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2 * length)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2 * length,
+    )
     model = LlamaForCausalLM(config).eval()
     model.set_attn_implementation("sdpa" if setup == "sdpa" else "dilated")
     prompt = torch.randint(0, 256, (1, length))
@@ -63,25 +70,42 @@ def measure(setup: str, length: int, new_tokens: int) -> dict:
     extra = {} if cache is None else {"past_key_values": cache}
     with torch.no_grad(), PeakMemory(torch.device("cpu")) as peak:
         start = time.perf_counter()
-        result = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                return_dict_in_generate=True, stopping_criteria=[AfterEachToken()], **extra)
+        result = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            stopping_criteria=[AfterEachToken()],
+            **extra,
+        )
     held = result.get("cache", None) or result.get("past_key_values", None)
     cache_bytes = held_bytes(held)
     return {
-        "setup": setup, "prompt_tokens": length, "new_tokens": new_tokens,
-        "cache_bytes": cache_bytes, "prefill_peak_added_bytes": prefill_peak[0], "decode_peak_added_bytes": peak.added,
-        "prefill_s": times[0] - start, "ms_per_new_token": 1000 * (times[-1] - times[0]) / (len(times) - 1),
+        "setup": setup,
+        "prompt_tokens": length,
+        "new_tokens": new_tokens,
+        "cache_bytes": cache_bytes,
+        "prefill_peak_added_bytes": prefill_peak[0],
+        "decode_peak_added_bytes": peak.added,
+        "prefill_s": times[0] - start,
+        "ms_per_new_token": 1000 * (times[-1] - times[0]) / (len(times) - 1),
     }
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'':<32}{'cache':>8}{'peak added MiB':>24}", f"{'setup':<24}{'prompt':>8}{'MiB':>8}{'prefill':>12}"
-             f"{'decode':>12}{'prefill s':>11}{'ms/token':>10}"]
+    lines = [
+        f"{'':<32}{'cache':>8}{'peak added MiB':>24}",
+        f"{'setup':<24}{'prompt':>8}{'MiB':>8}{'prefill':>12}{'decode':>12}{'prefill s':>11}{'ms/token':>10}",
+    ]
     for r in rows:
         mib = [r[key] / 2**20 for key in ("cache_bytes", "prefill_peak_added_bytes", "decode_peak_added_bytes")]
-        lines.append(f"{r['setup']:<24}{r['prompt_tokens']:>8}{mib[0]:>8.1f}{mib[1]:>12.1f}{mib[2]:>12.1f}"
-                     f"{r['prefill_s']:>11.2f}{r['ms_per_new_token']:>10.1f}")
+        lines.append(
+            f"{r['setup']:<24}{r['prompt_tokens']:>8}{mib[0]:>8.1f}{mib[1]:>12.1f}{mib[2]:>12.1f}"
+            f"{r['prefill_s']:>11.2f}{r['ms_per_new_token']:>10.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -106,8 +130,12 @@ def main() -> None:
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     import transformers
 
-    payload = {"machine": machine_info(torch.device("cpu")), "transformers": transformers.__version__,
-               "branches": BRANCHES, "results": rows}
+    payload = {
+        "machine": machine_info(torch.device("cpu")),
+        "transformers": transformers.__version__,
+        "branches": BRANCHES,
+        "results": rows,
+    }
     text = table(rows)
     print(text)
     write_results(os.path.join(HERE, "results", "transformers-generation-cpu"), payload, text)

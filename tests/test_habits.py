@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATHS = ["src", "tests", "benchmarks", "examples"]
+PATHS = ["src", "tests", "benchmarks", "examples", "docs/hooks"]
 TIMEOUT_S = 300
 
 CHECKS = {

@@ -21,8 +21,14 @@ ROLE = re.compile(r":(?:class|func|mod|meth|attr|data|exc|obj):(<code>)~?")
 def on_files(files, config):
     for name in sorted(os.listdir(RESULTS)):
         if name.endswith((".txt", ".json", ".png")):
-            files.append(File(f"results/{name}", src_dir=os.path.dirname(RESULTS), dest_dir=config["site_dir"],
-                              use_directory_urls=config["use_directory_urls"]))
+            files.append(
+                File(
+                    f"results/{name}",
+                    src_dir=os.path.dirname(RESULTS),
+                    dest_dir=config["site_dir"],
+                    use_directory_urls=config["use_directory_urls"],
+                )
+            )
     return files
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -11,7 +11,7 @@ from .ops import decode, fused, validation
 from .ops.dropout import draw_seed
 from .ops.engine import DilatedAttentionFunction, EngineConfig, contiguous_last_dim, nonfinite_rows
 from .ops.kernels import select_kernel
-from .ops.plan import FusedPlan, branch_table, make_plan, partly_covered_heads
+from .ops.plan import Block, FusedPlan, branch_table, make_plan, partly_covered_heads
 
 # Largest output of one kernel call, in elements. On CPU 2**22 (16 MiB in float32):
 # large enough that per-call overhead is negligible, small enough that glibc serves
@@ -30,14 +30,14 @@ def dilated_attention(
     mode: str = "mixture",
     head_offsets: str = "interleaved",
     is_causal: bool = False,
-    softmax_scale: Optional[float] = None,
+    softmax_scale: float | None = None,
     dropout_p: float = 0.0,
-    key_padding_mask: Optional[torch.Tensor] = None,
-    key_offset: Union[int, torch.Tensor] = 0,
+    key_padding_mask: torch.Tensor | None = None,
+    key_offset: int | torch.Tensor = 0,
     return_lse: bool = False,
     layout: str = "bnhd",
     process_group=None,
-    kernel: Optional[str] = None,
+    kernel: str | None = None,
 ):
     """LongNet dilated attention, computed exactly as ``docs/definition.md`` defines it.
 
@@ -108,8 +108,18 @@ def dilated_attention(
 
     def validate():
         call = validation.check_attention(
-            q, k, v, segment_lengths, dilation_rates, mode, is_causal, softmax_scale, key_padding_mask, layout,
-            head_offsets, key_offset,
+            q,
+            k,
+            v,
+            segment_lengths,
+            dilation_rates,
+            mode,
+            is_causal,
+            softmax_scale,
+            key_padding_mask,
+            layout,
+            head_offsets,
+            key_offset,
         )
         return call, validation.check_dropout(dropout_p), validation.check_flag(return_lse, "return_lse")
 
@@ -152,8 +162,15 @@ def dilated_attention(
     return (out, lse) if want_lse else out
 
 
-def run(call, dropout: float = 0.0, seed=None, exchange=None, key_flags=None, keys_checked: bool = False,
-        kernel: Optional[str] = None):
+def run(
+    call,
+    dropout: float = 0.0,
+    seed=None,
+    exchange=None,
+    key_flags=None,
+    keys_checked: bool = False,
+    kernel: str | None = None,
+):
     """A validated call (:class:`dilated_attention.ops.validation.Attention`) through the
     engine: ``(out, lse)``, ``(B, Lq, H, D)`` and ``(B, Lq, H)``.
 
@@ -164,10 +181,18 @@ def run(call, dropout: float = 0.0, seed=None, exchange=None, key_flags=None, ke
     row in one launch, whatever its key offset."""
     checks = (key_flags, keys_checked)
     if _takes_step(call, dropout, exchange, kernel, key_flags, keys_checked):
-        tables = decode.decode_tables(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode,
-                                      call.head_offsets, call.q.device)
-        return decode.attend_step(call.q, call.k.transpose(1, 2), call.v.transpose(1, 2), call.key_offsets, tables,
-                                  validation.kernel_scale(call.scale, call.q.dtype), call.padding)
+        tables = decode.decode_tables(
+            call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets, call.q.device
+        )
+        return decode.attend_step(
+            call.q,
+            call.k.transpose(1, 2),
+            call.v.transpose(1, 2),
+            call.key_offsets,
+            tables,
+            validation.kernel_scale(call.scale, call.q.dtype),
+            call.padding,
+        )
     if fused.use_triton(call.q, dropout, exchange is not None, kernel):
         table = branch_table(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets)
         plan = FusedPlan(table, call.key_offsets, call.is_causal)
@@ -177,7 +202,7 @@ def run(call, dropout: float = 0.0, seed=None, exchange=None, key_flags=None, ke
         return _attend(call, call.key_offsets[0], None, dropout, seed, exchange, *checks)
     parts = [_attend(call, offset, rows, dropout, seed, None, *checks) for offset, rows in groups]
     order = torch.cat([torch.as_tensor(rows, device=call.q.device) for _, rows in groups]).argsort()
-    return tuple(torch.cat(part)[order] for part in zip(*parts))
+    return tuple(torch.cat(part)[order] for part in zip(*parts, strict=True))
 
 
 def _takes_step(call, dropout: float, exchange, kernel, key_flags, keys_checked: bool) -> bool:
@@ -204,20 +229,37 @@ def _rows_by_key_offset(key_offsets: tuple[int, ...]) -> list[tuple[int, tuple[i
     return [(offset, tuple(members)) for offset, members in rows.items()]
 
 
-def _attend(call, key_offset: int, rows, dropout: float, seed, exchange, key_flags, keys_checked: bool,
-            fused_plan: Optional[FusedPlan] = None):
+def _attend(
+    call,
+    key_offset: int,
+    rows,
+    dropout: float,
+    seed,
+    exchange,
+    key_flags,
+    keys_checked: bool,
+    fused_plan: FusedPlan | None = None,
+):
     """The engine on the batch rows ``rows`` (all if ``None``) of a validated call,
     whose keys start at ``key_offset`` (with ``fused_plan``: through the fused
     kernels, each row's keys where the plan says)."""
-    batch, num_queries, num_heads, _ = call.shape
+    _batch, num_queries, num_heads, _ = call.shape
+    blocks: tuple[Block, ...]
     if fused_plan is not None:
         blocks, query_position = (), key_offset + call.num_keys - num_queries
     elif exchange is not None:
         blocks, query_position = exchange.plan.blocks, exchange.plan.first_position
     else:
         blocks = make_plan(
-            num_queries, num_heads, call.segment_lengths, call.dilation_rates, call.mode, call.is_causal,
-            call.head_offsets, call.num_keys, key_offset,
+            num_queries,
+            num_heads,
+            call.segment_lengths,
+            call.dilation_rates,
+            call.mode,
+            call.is_causal,
+            call.head_offsets,
+            call.num_keys,
+            key_offset,
         )
         query_position = key_offset + call.num_keys - num_queries
     cfg = EngineConfig(

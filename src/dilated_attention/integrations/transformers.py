@@ -52,22 +52,24 @@ What the function does with what ``transformers`` passes:
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ..ops import validation
-from ..utils.extras import MissingExtra, install_hint
 from ..functional import dilated_attention
+from ..ops import validation
 from ..ops.plan import window_start_needed
+from ..utils.extras import MissingExtra, install_hint
 
 try:
     from transformers import AttentionInterface, PretrainedConfig
     from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise MissingExtra(f"the transformers integration needs transformers >= 4.57 (the 'hf' extra): "
-                       f"{install_hint('hf', ['transformers>=4.57'])}") from exc
+    raise MissingExtra(
+        f"the transformers integration needs transformers >= 4.57 (the 'hf' extra): "
+        f"{install_hint('hf', ['transformers>=4.57'])}"
+    ) from exc
 
 # name -> the options it was registered with
 _REGISTERED: dict[str, dict] = {}
@@ -87,9 +89,15 @@ def register(
     if not isinstance(name, str) or not name or name in ("eager", "sdpa", "flex_attention") or "flash" in name:
         raise ValueError(f"name must be a new attention implementation name such as 'dilated', got {name!r}")
     segs, rates = validation.check_branches(segment_lengths, dilation_rates)
-    options = dict(segment_lengths=segs, dilation_rates=rates, mode=validation.check_mode(mode),
-                   head_offsets=validation.check_head_offsets(head_offsets))
-    AttentionInterface.register(name, functools.partial(dilated_attention_forward, **options))
+    forward = functools.partial(
+        dilated_attention_forward,
+        segment_lengths=segs,
+        dilation_rates=rates,
+        mode=validation.check_mode(mode),
+        head_offsets=validation.check_head_offsets(head_offsets),
+    )
+    options = dict(forward.keywords)
+    AttentionInterface.register(name, forward)
     # The mask transformers builds for flash attention: None without padding, else the
     # 2-D padding mask (True = token) over the keys.
     AttentionMaskInterface.register(name, flash_attention_mask)
@@ -109,7 +117,7 @@ class _WindowLayer(DynamicSlidingWindowLayer):
             if kept.untyped_storage().nbytes() > 2 * kept.numel() * kept.element_size():
                 setattr(self, name, kept.clone())
         # Where the window starts, for models that pass no position_ids to their attention.
-        keys.dilated_first_slot = self.cumulative_length - keys.shape[-2]
+        keys.dilated_first_slot = self.cumulative_length - keys.shape[-2]  # type: ignore[attr-defined]
         return keys, values
 
 
@@ -130,7 +138,7 @@ class DilatedCache(Cache):
     Built on ``transformers``' sliding-window cache layer; the attention function
     places the window from the queries' ``position_ids``."""
 
-    def __init__(self, model, name: Optional[str] = None):
+    def __init__(self, model, name: str | None = None):
         config = getattr(model, "config", model)
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"model must be a transformers model or config, got {validation.type_name(model)}")
@@ -138,8 +146,10 @@ class DilatedCache(Cache):
         running = config._attn_implementation
         name = running if name is None else name
         if name not in _REGISTERED:
-            raise ValueError(f"{name!r} is not a dilated attention registration (registered: "
-                             f"{sorted(_REGISTERED)}): call register() and model.set_attn_implementation(name)")
+            raise ValueError(
+                f"{name!r} is not a dilated attention registration (registered: "
+                f"{sorted(_REGISTERED)}): call register() and model.set_attn_implementation(name)"
+            )
         _check_running(config, name)
         self._config, self._name = config, name
         # The layer keeps sliding_window - 1 positions; at least one (a window of 1 keeps all).
@@ -163,15 +173,18 @@ def _check_running(config, name: str) -> None:
     """A ``ValueError`` unless ``config`` (a text config) runs attention ``name``."""
     running = config._attn_implementation
     if running != name:
-        raise ValueError(f"the model runs attention implementation {running!r}, not {name!r}: call "
-                         f"model.set_attn_implementation({name!r}) before using a DilatedCache (another "
-                         "attention would read its kept window as a sliding window)")
+        raise ValueError(
+            f"the model runs attention implementation {running!r}, not {name!r}: call "
+            f"model.set_attn_implementation({name!r}) before using a DilatedCache (another "
+            "attention would read its kept window as a sliding window)"
+        )
 
 
 def held_bytes(cache: Cache) -> int:
     """Bytes of memory (whole storages, each counted once) the keys and values of a
     ``transformers`` cache hold on to."""
-    held = [t for layer in cache.layers for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)]
+    tensors = (getattr(layer, name, None) for layer in cache.layers for name in ("keys", "values"))
+    held = [t for t in tensors if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
     return sum(storages.values())
 
@@ -181,16 +194,16 @@ def dilated_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: Optional[torch.Tensor],
+    attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
-    scaling: Optional[float] = None,
-    is_causal: Optional[bool] = None,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
     *,
     segment_lengths: Sequence[int],
     dilation_rates: Sequence[int],
     mode: str,
     head_offsets: str,
-    s_aux: Optional[torch.Tensor] = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The ``transformers`` attention function: ``query`` ``(B, H, Lq, D)``, ``key,
@@ -209,9 +222,16 @@ def dilated_attention_forward(
     first_slot = getattr(key, "dilated_first_slot", 0)  # set by DilatedCache: the window's first slot
     first = _first_key_positions(kwargs.get("position_ids"), mask, batch, num_queries, num_keys, first_slot)
     _check_keys_reach_back(first, num_keys - num_queries, segment_lengths)
-    options = dict(segment_lengths=segment_lengths, dilation_rates=dilation_rates, mode=mode,
-                   head_offsets=head_offsets, is_causal=True, softmax_scale=scaling, dropout_p=dropout,
-                   layout="bhnd")
+    options = dict(
+        segment_lengths=segment_lengths,
+        dilation_rates=dilation_rates,
+        mode=mode,
+        head_offsets=head_offsets,
+        is_causal=True,
+        softmax_scale=scaling,
+        dropout_p=dropout,
+        layout="bhnd",
+    )
     out = _attend_rows(query, key, value, mask, first, segment_lengths, options, s_aux)
     return out.transpose(1, 2), None
 
@@ -235,21 +255,27 @@ _FULL_ATTENTION_LAYERS = ("full_attention", "attention")
 
 def _refuse_unsupported(module, key, attention_mask, is_causal, kwargs) -> None:
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
-        raise ValueError(f"dilated attention is registered for causal self-attention only; "
-                         f"{type(module).__name__} is not causal (an encoder or cross-attention): use another "
-                         "attn_implementation for it")
+        raise ValueError(
+            f"dilated attention is registered for causal self-attention only; "
+            f"{type(module).__name__} is not causal (an encoder or cross-attention): use another "
+            "attn_implementation for it"
+        )
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported: dilated attention never forms the weights")
     for option, meaning in _REFUSED_OPTIONS:
         if kwargs.get(option) is not None:
             shown = kwargs[option] if isinstance(kwargs[option], (bool, int, float)) else "..."
-            raise ValueError(f"the model sets {option}={shown} ({meaning}), which dilated attention does not "
-                             f"implement: use a config without {option}, or another attn_implementation")
+            raise ValueError(
+                f"the model sets {option}={shown} ({meaning}), which dilated attention does not "
+                f"implement: use a config without {option}, or another attn_implementation"
+            )
     _refuse_layer_type(module)
     _refuse_unused_cache(key, kwargs)
     if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(f"dilated attention takes the 2-D padding mask, got a {attention_mask.dim()}-D attention "
-                         "mask: register the function with register(), which sets the mask transformers builds")
+        raise ValueError(
+            f"dilated attention takes the 2-D padding mask, got a {attention_mask.dim()}-D attention "
+            "mask: register the function with register(), which sets the mask transformers builds"
+        )
 
 
 def _refuse_layer_type(module) -> None:
@@ -282,12 +308,15 @@ def _refuse_unused_cache(key, kwargs) -> None:
 def _check_sinks(sinks, num_heads: int) -> None:
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (num_heads,)):
         shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else validation.type_name(sinks)
-        raise ValueError(f"s_aux (attention sinks) must be one logit per query head, shape ({num_heads},), got "
-                         f"{shape}: dilated attention supports per-head sinks only")
+        raise ValueError(
+            f"s_aux (attention sinks) must be one logit per query head, shape ({num_heads},), got "
+            f"{shape}: dilated attention supports per-head sinks only"
+        )
 
 
-def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_keys: int,
-                         first_slot: int = 0) -> torch.Tensor:
+def _first_key_positions(
+    position_ids, mask, batch: int, num_queries: int, num_keys: int, first_slot: int = 0
+) -> torch.Tensor:
     """``(B,)`` int64: the sequence position of each row's first key slot, from the
     queries' ``position_ids`` (slot ``i`` is position ``first + i``): negative where a
     row's first token (position 0) comes after left padding; ``-2**62`` for a row
@@ -304,11 +333,15 @@ def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_k
                     "right, or run each prompt alone"
                 )
         return torch.full((batch,), int(first_slot), dtype=torch.int64)
-    if position_ids.dim() not in (1, 2) or position_ids.shape[-1] != num_queries or (
-        position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch)
+    if (
+        position_ids.dim() not in (1, 2)
+        or position_ids.shape[-1] != num_queries
+        or (position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch))
     ):
-        raise ValueError(f"position_ids must have shape (batch, queries) = {(batch, num_queries)} or "
-                         f"(1, {num_queries}), got {tuple(position_ids.shape)}")
+        raise ValueError(
+            f"position_ids must have shape (batch, queries) = {(batch, num_queries)} or "
+            f"(1, {num_queries}), got {tuple(position_ids.shape)}"
+        )
     slots = torch.arange(num_keys - num_queries, num_keys, device=position_ids.device)
     first = position_ids.reshape(-1, num_queries).expand(batch, -1) - slots  # per query: its row's first slot
     real = None if mask is None else mask[:, num_keys - num_queries :].to(first.device)
@@ -330,7 +363,7 @@ def _first_key_positions(position_ids, mask, batch: int, num_queries: int, num_k
     return row_first.squeeze(1).cpu()
 
 
-def _all_or(real: Optional[torch.Tensor], row: int):
+def _all_or(real: torch.Tensor | None, row: int):
     """Row ``row``'s real queries as an index: all of them where ``real`` is ``None``."""
     return slice(None) if real is None else real[row]
 
@@ -351,8 +384,7 @@ def _check_keys_reach_back(first: torch.Tensor, first_query_slot: int, segment_l
             )
 
 
-def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, options,
-                 sinks=None) -> torch.Tensor:
+def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, options, sinks=None) -> torch.Tensor:
     """``(B, H, Lq, D)``. Rows whose keys start at a position ``>= 0`` go in one call
     (per-row ``key_offset``); rows whose first token follows ``p`` padding slots
     (``first = -p``) in one call per ``p``, their padding queries 0. Each call gets
@@ -364,15 +396,17 @@ def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, 
     first_query_slot = num_keys - num_queries
     starts = first.tolist()
     groups = [[row for row, start in enumerate(starts) if start >= 0]]
-    groups += [[row for row, s in enumerate(starts) if s == start]
-               for start in sorted(set(starts)) if NO_QUERY < start < 0]
+    groups += [
+        [row for row, s in enumerate(starts) if s == start] for start in sorted(set(starts)) if NO_QUERY < start < 0
+    ]
     groups = [rows for rows in groups if rows]
     every_row_in_one_call = len(groups) == 1 and len(groups[0]) == len(starts)  # none without a real query
     out = None if every_row_in_one_call else query.new_zeros(query.shape)
     for rows in groups:
         # slot of the earliest key a query of these rows attends to (positions < 0 are padding)
-        drop = min(window_start_needed(max(starts[row] + first_query_slot, 0), segment_lengths) - starts[row]
-                   for row in rows)
+        drop = min(
+            window_start_needed(max(starts[row] + first_query_slot, 0), segment_lengths) - starts[row] for row in rows
+        )
         skip = -min(starts[rows[0]], 0)  # padding slots before the first token
         if skip and (mask is None or bool(mask[rows, :skip].any())):
             raise ValueError(
@@ -386,11 +420,19 @@ def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, 
         q, k, v, m = (t if picked is None or t is None else t[picked] for t in (query, key, value, mask))
         queries = slice(max(drop - first_query_slot, 0), num_queries)
         offsets = [starts[row] + drop for row in rows]
-        result = _attend(q[:, :, queries], k[:, :, drop:], v[:, :, drop:], None if m is None else m[:, drop:],
-                         torch.tensor(offsets) if len(set(offsets)) > 1 else offsets[0], options, sinks)
+        result = _attend(
+            q[:, :, queries],
+            k[:, :, drop:],
+            v[:, :, drop:],
+            None if m is None else m[:, drop:],
+            torch.tensor(offsets) if len(set(offsets)) > 1 else offsets[0],
+            options,
+            sinks,
+        )
         if out is None:
             return result
         out[picked, :, queries] = result
+    assert out is not None  # rows all in one call returned above
     return out
 
 
@@ -398,8 +440,7 @@ def _attend(q, k, v, mask, key_offset, options, sinks=None) -> torch.Tensor:
     padding = None if mask is None or bool(mask.all()) else ~mask
     if sinks is None:
         return dilated_attention(q, k, v, key_padding_mask=padding, key_offset=key_offset, **options)
-    out, lse = dilated_attention(q, k, v, key_padding_mask=padding, key_offset=key_offset, return_lse=True,
-                                 **options)
+    out, lse = dilated_attention(q, k, v, key_padding_mask=padding, key_offset=key_offset, return_lse=True, **options)
     return _with_sinks(out, lse, sinks)
 
 

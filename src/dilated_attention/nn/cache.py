@@ -11,12 +11,12 @@ result, row for row.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
-from ..ops import decode, fused, validation
 from .. import functional
+from ..ops import decode, fused, validation
 from ..ops.engine import nonfinite_rows
 from ..ops.kernels import accumulator
 from ..ops.plan import window_start_needed
@@ -33,26 +33,49 @@ def check_batch(sequences: int, batch: int, name: str) -> None:
         )
 
 
-def configure(cache, batch, num_heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets,
-              softmax_scale, dtype, device) -> None:
-    """Check a cache's arguments and set its ``shape`` ``(B, H, D)``, branches, mode,
-    head offsets, ``softmax_scale`` (and the kernels' rounding of it), ``dtype`` and
-    ``device``: what both caches share."""
-    for name, value in (("batch", batch), ("num_heads", num_heads), ("head_dim", head_dim)):
-        validation.check_positive_int(value, name)
-    if dtype not in validation.FLOAT_DTYPES.values():
-        raise ValueError(f"dtype must be float64, float32, bfloat16 or float16, got {dtype}")
-    cache.segment_lengths, cache.dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
-    cache.mode = validation.check_mode(mode)
-    if cache.mode == "head_groups":
-        validation.check_head_groups(num_heads, len(cache.segment_lengths))
-    cache.head_offsets = validation.check_head_offsets(head_offsets)
-    cache.softmax_scale = validation.check_scale(softmax_scale, head_dim)
-    # refused here, not at the first attend, if too large
-    cache._kernel_scale = validation.kernel_scale(cache.softmax_scale, dtype)
-    cache.shape = (int(batch), int(num_heads), int(head_dim))
-    cache.dtype = dtype
-    cache.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
+class CacheSettings:
+    """What both caches share: ``shape`` ``(B, H, D)``, the branches, mode, head
+    offsets, ``softmax_scale`` (and the kernels' rounding of it), ``dtype`` and
+    ``device``, checked and set by :meth:`_configure`."""
+
+    shape: tuple[int, int, int]
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    mode: str
+    head_offsets: str
+    softmax_scale: float
+    _kernel_scale: float
+    dtype: torch.dtype
+    device: torch.device
+
+    def _configure(
+        self,
+        batch,
+        num_heads,
+        head_dim,
+        segment_lengths,
+        dilation_rates,
+        mode,
+        head_offsets,
+        softmax_scale,
+        dtype,
+        device,
+    ) -> None:
+        for name, value in (("batch", batch), ("num_heads", num_heads), ("head_dim", head_dim)):
+            validation.check_positive_int(value, name)
+        if dtype not in validation.FLOAT_DTYPES.values():
+            raise ValueError(f"dtype must be float64, float32, bfloat16 or float16, got {dtype}")
+        self.segment_lengths, self.dilation_rates = validation.check_branches(segment_lengths, dilation_rates)
+        self.mode = validation.check_mode(mode)
+        if self.mode == "head_groups":
+            validation.check_head_groups(num_heads, len(self.segment_lengths))
+        self.head_offsets = validation.check_head_offsets(head_offsets)
+        self.softmax_scale = validation.check_scale(softmax_scale, head_dim)
+        # refused here, not at the first attend, if too large
+        self._kernel_scale = validation.kernel_scale(self.softmax_scale, dtype)
+        self.shape = (int(batch), int(num_heads), int(head_dim))
+        self.dtype = dtype
+        self.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
 
 
 def check_starts(start, batch: int, segment_lengths) -> list[int]:
@@ -85,7 +108,7 @@ def _needed_from(position: int, segment_lengths: Sequence[int]) -> int:
     return min(position, window_start_needed(max(position, 0), segment_lengths))
 
 
-class DilatedKVCache:
+class DilatedKVCache(CacheSettings):
     """Keys and values of ``batch`` sequences, for attending to them step by step.
 
     ``attend(q, k, v)`` takes the next ``L >= 1`` positions of every sequence (a
@@ -126,17 +149,27 @@ class DilatedKVCache:
         *,
         mode: str = "mixture",
         head_offsets: str = "interleaved",
-        softmax_scale: Optional[float] = None,
-        start: Union[int, torch.Tensor] = 0,
+        softmax_scale: float | None = None,
+        start: int | torch.Tensor = 0,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
-        configure(self, batch, num_heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets,
-                  softmax_scale, dtype, device)
+        self._configure(
+            batch,
+            num_heads,
+            head_dim,
+            segment_lengths,
+            dilation_rates,
+            mode,
+            head_offsets,
+            softmax_scale,
+            dtype,
+            device,
+        )
         self._sum_dtype = accumulator(dtype)
         self.reset(start)
 
-    def reset(self, start: Union[int, torch.Tensor] = 0) -> None:
+    def reset(self, start: int | torch.Tensor = 0) -> None:
         """Forget every position (and free the buffers); the sequences start anew at ``start``."""
         starts = self._starts(start)
         self._position = list(starts)
@@ -144,7 +177,9 @@ class DilatedKVCache:
         # Key-head-major, (B, H, slots, D): a decode step's window is contiguous per head.
         batch, heads, dim = len(starts), *self.shape[1:]
         self._k = self._v = torch.empty(batch, heads, 0, dim, dtype=self.dtype, device=self.device)
-        self._bad = None  # (B, slots, H) bool: key rows holding NaN or infinity, once one was appended
+        self._bad: torch.Tensor | None = (
+            None  # (B, slots, H) bool: key rows holding NaN or infinity, once one was appended
+        )
         self._end = 0  # buffer slots [end - kept, end) hold a sequence's kept positions
 
     def _starts(self, start) -> list[int]:
@@ -159,7 +194,7 @@ class DilatedKVCache:
     @property
     def cached_positions(self) -> int:
         """The most past positions any sequence keeps (below ``max(segment_lengths)``)."""
-        return max(p - s for p, s in zip(self._position, self._stored_from))
+        return max(p - s for p, s in zip(self._position, self._stored_from, strict=True))
 
     @property
     def nbytes(self) -> int:
@@ -190,15 +225,16 @@ class DilatedKVCache:
         self._stored_from = [self._stored_from[i] for i in rows]
         self.shape = (len(rows), *self.shape[1:])
 
-    def _append(self, k: torch.Tensor, v: torch.Tensor, flags: Optional[torch.Tensor]) -> int:
+    def _append(self, k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None) -> int:
         """Write ``k, v`` ``(B, L, H, D)`` after the kept positions (``flags``: their
         non-finite rows, ``(B, L, H)``, or ``None``: none); return the slot of their
         first row."""
         length = k.shape[1]
         kept = self.cached_positions
         if flags is not None and self._bad is None:
-            self._bad = torch.zeros(self._k.shape[0], self._k.shape[2], self._k.shape[1], dtype=torch.bool,
-                                    device=self.device)
+            self._bad = torch.zeros(
+                self._k.shape[0], self._k.shape[2], self._k.shape[1], dtype=torch.bool, device=self.device
+            )
         capacity = self._k.shape[2]
         # New buffers when full, far too large, or made in (or out of) inference mode
         # and now written out of (or in) it.
@@ -234,8 +270,10 @@ class DilatedKVCache:
             raise
         length = q.shape[1]
         self._position = [position + length for position in self._position]
-        self._stored_from = [max(kept, _needed_from(position, self.segment_lengths))
-                             for kept, position in zip(self._stored_from, self._position)]
+        self._stored_from = [
+            max(kept, _needed_from(position, self.segment_lengths))
+            for kept, position in zip(self._stored_from, self._position, strict=True)
+        ]
         return out
 
     def _well_formed(self, q, k, v) -> bool:
@@ -245,8 +283,12 @@ class DilatedKVCache:
             return False
         shape = q.shape
         return (
-            len(shape) == 4 and k.shape == shape and v.shape == shape and shape[1] >= 1
-            and (shape[0], shape[2], shape[3]) == self.shape and q.dtype == k.dtype == v.dtype == self.dtype
+            len(shape) == 4
+            and k.shape == shape
+            and v.shape == shape
+            and shape[1] >= 1
+            and (shape[0], shape[2], shape[3]) == self.shape
+            and q.dtype == k.dtype == v.dtype == self.dtype
             and q.device == k.device == v.device == self.device
         )
 
@@ -288,11 +330,17 @@ class DilatedKVCache:
         """The output ``(B, L, H, D)`` of ``q`` through the lean path, once its keys are in
         the buffers from slot ``first_slot`` on (the positions are not yet advanced)."""
         stop = first_slot + q.shape[1]
-        tables = decode.decode_tables(self.shape[1], self.segment_lengths, self.dilation_rates, self.mode,
-                                      self.head_offsets, self.device)
-        out, _ = decode.attend_step(q, self._k.narrow(2, 0, stop), self._v.narrow(2, 0, stop),
-                                         [position - first_slot for position in self._position], tables,
-                                         self._kernel_scale)
+        tables = decode.decode_tables(
+            self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets, self.device
+        )
+        out, _ = decode.attend_step(
+            q,
+            self._k.narrow(2, 0, stop),
+            self._v.narrow(2, 0, stop),
+            [position - first_slot for position in self._position],
+            tables,
+            self._kernel_scale,
+        )
         return out
 
     def _attend_appended(self, q, k, v, first_slot: int) -> torch.Tensor:
@@ -302,15 +350,15 @@ class DilatedKVCache:
         groups: dict[int, list[int]] = {}
         for row, position in enumerate(self._position):
             groups.setdefault(position, []).append(row)
-        keys = (self._k[:, :, : first_slot + length].transpose(1, 2),
-                self._v[:, :, : first_slot + length].transpose(1, 2))
+        keys = self._k[:, :, : first_slot + length].transpose(1, 2)
+        values = self._v[:, :, : first_slot + length].transpose(1, 2)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             # Autograd keeps the keys it used: a copy, as the buffers change in place, with
             # the new rows' graph.
-            keys = tuple(torch.cat([old[:, :first_slot], new], 1) for old, new in zip(keys, (k, v)))
+            keys, values = torch.cat([keys[:, :first_slot], k], 1), torch.cat([values[:, :first_slot], v], 1)
         parts, order = [], []
         for position, rows in groups.items():
-            parts.append(self._attend_group(q, *keys, position, rows, first_slot))
+            parts.append(self._attend_group(q, keys, values, position, rows, first_slot))
             order.extend(rows)
         if len(parts) == 1:
             return parts[0]
@@ -333,8 +381,17 @@ class DilatedKVCache:
         if first_query >= position + length:
             return padding
         call = validation.Attention(  # q, k, v were checked in attend, the rest at construction
-            q[:, first_query - position :], k, v, None, self.segment_lengths, self.dilation_rates, self.mode,
-            self.head_offsets, True, self.softmax_scale, (window,) * q.shape[0],
+            q[:, first_query - position :],
+            k,
+            v,
+            None,
+            self.segment_lengths,
+            self.dilation_rates,
+            self.mode,
+            self.head_offsets,
+            True,
+            self.softmax_scale,
+            (window,) * q.shape[0],
         )
         # The keys were checked for NaN and infinity as they were appended: no new scan.
         attended, _ = functional.run(call, key_flags=flags, keys_checked=True)

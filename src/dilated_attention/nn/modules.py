@@ -270,11 +270,11 @@ class MultiheadDilatedAttention(nn.Module):
         theirs = (
             cache.shape[1],
             cache.shape[2],
-            cache.segment_lengths,  # type: ignore[union-attr]
-            cache.dilation_rates,  # type: ignore[union-attr]
-            cache.mode,  # type: ignore[union-attr]
-            cache.head_offsets,  # type: ignore[union-attr]
-            cache.softmax_scale,  # type: ignore[union-attr]
+            cache.segment_lengths,
+            cache.dilation_rates,
+            cache.mode,
+            cache.head_offsets,
+            cache.softmax_scale,
         )
         if mine != theirs:
             raise ValueError(

@@ -4,15 +4,15 @@ tensors of the same shapes, for ``torch.compile(fullgraph=True)`` and CUDA graph
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
 from ..ops import validation
-from .cache import check_starts, configure
 from ..ops.decode import ring_counts
 from ..ops.kernels import accumulator
 from ..ops.plan import branch_table
+from .cache import CacheSettings, check_starts
 
 # The position of a ring slot no key has filled yet: never attended.
 EMPTY = -(2**62)
@@ -20,7 +20,7 @@ EMPTY = -(2**62)
 MAX_CAPACITY = 2**24
 
 
-class StaticKVCache:
+class StaticKVCache(CacheSettings):
     """Keys and values of ``batch`` sequences in a ring of fixed size, attended a few
     positions at a time: what :class:`dilated_attention.DilatedKVCache` computes, with
     every step the same tensor operations on the same shapes.
@@ -49,14 +49,24 @@ class StaticKVCache:
         *,
         mode: str = "mixture",
         head_offsets: str = "interleaved",
-        softmax_scale: Optional[float] = None,
-        start: Union[int, torch.Tensor] = 0,
+        softmax_scale: float | None = None,
+        start: int | torch.Tensor = 0,
         max_chunk: int = 1,
         dtype: torch.dtype = torch.float32,
         device=None,
     ):
-        configure(self, batch, num_heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets,
-                  softmax_scale, dtype, device)
+        self._configure(
+            batch,
+            num_heads,
+            head_dim,
+            segment_lengths,
+            dilation_rates,
+            mode,
+            head_offsets,
+            softmax_scale,
+            dtype,
+            device,
+        )
         self.max_chunk = validation.check_positive_int(max_chunk, "max_chunk")
         table = branch_table(self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets)
         self._branches = (table.segment_lengths, table.rates)
@@ -64,12 +74,14 @@ class StaticKVCache:
         self._out_scale = 1.0 if self.mode == "mixture" else 1.0 / len(self.segment_lengths)
         self.capacity = max(self.segment_lengths) - 1 + self.max_chunk
         if self.capacity > MAX_CAPACITY:
-            raise ValueError(f"a StaticKVCache keeps max(segment_lengths) - 1 + max_chunk = {self.capacity} positions "
-                             f"per sequence, more than {MAX_CAPACITY}: use DilatedKVCache, which keeps only the "
-                             "positions a sequence has reached")
+            raise ValueError(
+                f"a StaticKVCache keeps max(segment_lengths) - 1 + max_chunk = {self.capacity} positions "
+                f"per sequence, more than {MAX_CAPACITY}: use DilatedKVCache, which keeps only the "
+                "positions a sequence has reached"
+            )
         self.reset(start)
 
-    def reset(self, start: Union[int, torch.Tensor] = 0) -> None:
+    def reset(self, start: int | torch.Tensor = 0) -> None:
         """Forget every position; the sequences start anew at ``start``. The tensors are
         reset in place: a CUDA graph captured on this cache stays valid."""
         starts = check_starts(start, self.shape[0], self.segment_lengths)
@@ -103,8 +115,12 @@ class StaticKVCache:
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep the sequences ``indices`` (``(B',)`` ints, repeats allowed), in that order."""
         integer = isinstance(indices, torch.Tensor) and indices.dtype in (torch.int32, torch.int64)
-        if not integer or indices.dim() != 1 or not len(indices) or not 0 <= int(indices.min()) <= int(
-                indices.max()) < self.shape[0]:
+        if (
+            not integer
+            or indices.dim() != 1
+            or not len(indices)
+            or not 0 <= int(indices.min()) <= int(indices.max()) < self.shape[0]
+        ):
             raise ValueError(f"indices must be a 1-D integer tensor of sequence indices in [0, {self.shape[0]})")
         index = indices.to(self.device)
         for name in ("_k", "_v", "_key_positions", "_bad", "_next"):
@@ -117,11 +133,12 @@ class StaticKVCache:
         batch, heads, dim = self.shape
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != self.shape:
-                raise ValueError(f"{name} must be a tensor of shape (batch={batch}, L, heads={heads}, "
-                                 f"head_dim={dim})")
+                raise ValueError(f"{name} must be a tensor of shape (batch={batch}, L, heads={heads}, head_dim={dim})")
             if not 1 <= t.shape[1] <= self.max_chunk or t.dtype != self.dtype or t.device != self.device:
-                raise ValueError(f"{name} must hold 1 to max_chunk={self.max_chunk} positions, {self.dtype} on "
-                                 f"{self.device}, got {t.shape[1]}, {t.dtype} on {t.device}")
+                raise ValueError(
+                    f"{name} must hold 1 to max_chunk={self.max_chunk} positions, {self.dtype} on "
+                    f"{self.device}, got {t.shape[1]}, {t.dtype} on {t.device}"
+                )
         length = q.shape[1]
         queries = self._next[:, None] + torch.arange(length, device=self.device)  # (B, L)
         slots = queries % self.capacity

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -46,15 +46,16 @@ ROW_STEP_COST = 3 * BRANCH_CALLS_COST
 @dataclass(frozen=True)
 class DecodeTables:
     """Per branch ``(w, r, heads, chosen)`` (``r`` clamped to ``w``): per phase ``t <
-    min(r, H)`` of a query in its segment (later phases select no head), ``heads[t]`` the ``(H, 1)`` float 0/1 vector of the heads
-    that count the branch's keys (those whose offset is ``t``) and ``chosen[t]`` the
-    same as a bit mask (bit ``h`` for head ``h``); ``every_head``: all ``H`` bits."""
+    min(r, H)`` of a query in its segment (later phases select no head), ``heads[t]``
+    the ``(H, 1)`` float 0/1 vector of the heads that count the branch's keys (those
+    whose offset is ``t``) and ``chosen[t]`` the same as a bit mask (bit ``h`` for
+    head ``h``); ``every_head``: all ``H`` bits."""
 
     branches: tuple[tuple[int, int, tuple[torch.Tensor, ...], tuple[int, ...]], ...]
     every_head: int
     out_scale: float
     # per branch (in the order above) and phase: the heads that count it, as a slice
-    query_heads: tuple[tuple[Optional[slice], ...], ...]
+    query_heads: tuple[tuple[slice | None, ...], ...]
 
     def costs(self, positions: Sequence[int], num_heads: int) -> tuple[int, int]:
         """The cost of one query row per sequence at ``positions`` over one window and
@@ -68,7 +69,7 @@ class DecodeTables:
         branches = 0
         for _, _, chosen, _, groups in _phase_groups(self, positions):
             for phase, members in groups.items():
-                branches += len(positions) * bin(chosen[phase]).count("1") * max(members.values()) + BRANCH_CALLS_COST
+                branches += len(positions) * chosen[phase].bit_count() * max(members.values()) + BRANCH_CALLS_COST
         return window, max(branches, BRANCH_CALLS_COST)
 
     def reach(self, first: int, last: int) -> int:
@@ -86,8 +87,14 @@ class DecodeTables:
 
 
 @functools.lru_cache(maxsize=64)
-def decode_tables(num_heads: int, segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...], mode: str,
-                  head_offsets: str, device: torch.device) -> DecodeTables:
+def decode_tables(
+    num_heads: int,
+    segment_lengths: tuple[int, ...],
+    dilation_rates: tuple[int, ...],
+    mode: str,
+    head_offsets: str,
+    device: torch.device,
+) -> DecodeTables:
     """The :class:`DecodeTables` of these branches on ``device`` (cached)."""
     table = branch_table(num_heads, segment_lengths, dilation_rates, mode, head_offsets)
     sets = branch_head_sets(num_heads, dilation_rates, mode, head_offsets)
@@ -107,8 +114,9 @@ def decode_tables(num_heads: int, segment_lengths: tuple[int, ...], dilation_rat
     return DecodeTables(tuple(branches), (1 << num_heads) - 1, out_scale, tuple(query_heads))
 
 
-def window_bias(tables: DecodeTables, firsts: Sequence[int], rows: int, width: int, num_heads: int, device,
-                dtype=torch.float32) -> tuple[torch.Tensor, bool]:
+def window_bias(
+    tables: DecodeTables, firsts: Sequence[int], rows: int, width: int, num_heads: int, device, dtype=torch.float32
+) -> tuple[torch.Tensor, bool]:
     """The additive bias ``(len(firsts), H, rows, width)`` over a window of ``width``
     keys of ``rows`` consecutive queries per sequence, the first at ``firsts[b]`` and the
     last at the window's last key: ``log(multiplicity)``; and whether some (query,
@@ -138,15 +146,22 @@ def window_bias(tables: DecodeTables, firsts: Sequence[int], rows: int, width: i
     return count.log1p_(), empty  # log(count): -inf where 0
 
 
-def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: Sequence[int],
-                     tables: DecodeTables, scale: float, padding: Optional[torch.Tensor] = None):
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_positions: Sequence[int],
+    tables: DecodeTables,
+    scale: float,
+    padding: torch.Tensor | None = None,
+):
     """``out`` ``(B, Lq, H, D)`` and ``lse`` ``(B, Lq, H)`` of causal dilated attention
     of ``q`` ``(B, Lq, H, D)`` against ``k, v`` ``(B, H_kv, Lk, D)`` (key-head-major
     views), the queries being the last ``Lq`` key slots; slot 0 of row ``b`` is at
     position ``key_positions[b]`` (negative positions are padding). ``padding``:
     ``(B, Lk)`` bool, ``True`` for a padded key. The keys must reach back to every
     query's earliest segment start (as a window of :func:`dilated_attention` must)."""
-    batch, rows, num_heads, _ = q.shape
+    _batch, rows, num_heads, _ = q.shape
     num_keys = k.shape[2]
     firsts = [p + num_keys - rows for p in key_positions]  # the first query's position, per row
     width = max(1, min(num_keys, max(tables.reach(first, first + rows - 1) for first in firsts)))
@@ -158,7 +173,13 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_posi
     if padding is not None:
         bias = bias.masked_fill(padding[:, None, None, num_keys - width :], -math.inf)
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-        contiguous_last_dim(q).transpose(1, 2), k, v, 0.0, False, attn_mask=bias, scale=scale,
+        contiguous_last_dim(q).transpose(1, 2),
+        k,
+        v,
+        0.0,
+        False,
+        attn_mask=bias,
+        scale=scale,
     )
     if empty or padding is not None:  # rows with no key: 0 and -inf, not the kernel's 0/0
         none = torch.isneginf(bias).all(-1)
@@ -172,7 +193,7 @@ def _phase_groups(tables: DecodeTables, positions: Sequence[int]):
     """Per branch ``(w, r, chosen, heads_by_phase, groups)``, ``groups`` mapping each
     phase some row's query has in its segment to ``{row: keys}`` (how many keys that
     row's query attends in the branch); rows at negative positions are in none."""
-    for (w, r, _, chosen), heads_by_phase in zip(tables.branches, tables.query_heads):
+    for (w, r, _, chosen), heads_by_phase in zip(tables.branches, tables.query_heads, strict=True):
         groups: dict[int, dict[int, int]] = {}
         for row, position in enumerate(positions):
             if position >= 0:
@@ -183,8 +204,9 @@ def _phase_groups(tables: DecodeTables, positions: Sequence[int]):
         yield w, r, chosen, heads_by_phase, groups
 
 
-def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int],
-                     tables: DecodeTables, scale: float):
+def branch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int], tables: DecodeTables, scale: float
+):
     """``(out, lse)`` as :func:`window_attention` gives them, for one query row per
     sequence at ``positions`` (no padding mask), computed branch by branch: for each
     branch and each phase the rows' queries have in their segments, one attention call
@@ -200,12 +222,13 @@ def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     queries, end = contiguous_last_dim(q).transpose(1, 2), k.shape[2]  # each query's own key is slot end - 1
     k, v = contiguous_last_dim(k), contiguous_last_dim(v)
     acc = accumulator(q.dtype)
-    out = lse = None
-    for w, r, chosen, heads_by_phase, groups in _phase_groups(tables, positions):
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    for _w, r, chosen, heads_by_phase, groups in _phase_groups(tables, positions):
         for phase, members in groups.items():
             heads = heads_by_phase[phase]
             kv, _, gathered = key_heads(heads.indices(num_heads), groups_per_kv)
-            if gathered is not None:
+            if gathered is not None or kv is None:
                 return None
             longest = max(members.values())
             keys = slice(end - 1 - (longest - 1) * r, end, r)
@@ -214,27 +237,39 @@ def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
                 counts = torch.tensor([members.get(row, 0) for row in range(batch)], device=q.device)
                 columns = torch.arange(longest, device=q.device)
                 mask = torch.where(columns >= longest - counts[:, None], 0.0, -math.inf).to(acc)[:, None, None, :]
-            o, l = _aten._scaled_dot_product_flash_attention_for_cpu(
-                queries[:, heads], k[:, slice(*kv), keys], v[:, slice(*kv), keys], 0.0, False, attn_mask=mask,
+            o, part_lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+                queries[:, heads],
+                k[:, slice(*kv), keys],
+                v[:, slice(*kv), keys],
+                0.0,
+                False,
+                attn_mask=mask,
                 scale=scale,
             )
             if mask is not None:  # the kernel gives rows with no key lse 0
-                l = l.masked_fill(torch.isneginf(mask[:, :, :, -1:]).view(batch, 1, 1), -math.inf)
+                part_lse = part_lse.masked_fill(torch.isneginf(mask[:, :, :, -1:]).view(batch, 1, 1), -math.inf)
             if out is None and mask is None and chosen[phase] == tables.every_head and tables.out_scale == 1.0:
-                out, lse = o.to(acc), l
+                out, lse = o.to(acc), part_lse
                 continue
-            if out is None:
+            if out is None or lse is None:
                 out = q.new_zeros(batch, num_heads, 1, dim, dtype=acc)
-                lse = torch.full((batch, num_heads, 1), -math.inf, dtype=l.dtype, device=q.device)
-            merge_into(out[:, heads], lse[:, heads], o, l, tables.out_scale)
-    if out is None:  # no branch selects any query for any head
+                lse = torch.full((batch, num_heads, 1), -math.inf, dtype=part_lse.dtype, device=q.device)
+            merge_into(out[:, heads], lse[:, heads], o, part_lse, tables.out_scale)
+    if out is None or lse is None:  # no branch selects any query for any head
         out = q.new_zeros(batch, num_heads, 1, dim)
         lse = torch.full((batch, num_heads, 1), -math.inf, dtype=acc, device=q.device)
     return out.to(q.dtype).transpose(1, 2), lse.transpose(1, 2)
 
 
-def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: Sequence[int],
-                tables: DecodeTables, scale: float, padding: Optional[torch.Tensor] = None):
+def attend_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_positions: Sequence[int],
+    tables: DecodeTables,
+    scale: float,
+    padding: torch.Tensor | None = None,
+):
     """:func:`window_attention`, or :func:`branch_attention` where it reads far fewer
     keys (one query row per sequence, windows much longer than what the heads attend
     to): the cheaper of two exact ways. Rows at different positions (a left-padded
@@ -250,8 +285,10 @@ def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions
         branches *= DISTINCT_FACTOR  # a key mask per call, rows of other phases computed and dropped
         alone = sum(min(tables.costs([p], num_heads)) for p in positions) + ROW_STEP_COST * batch
         if alone < min(window, branches):
-            parts = [attend_step(q[b : b + 1], k[b : b + 1], v[b : b + 1], key_positions[b : b + 1], tables, scale)
-                     for b in range(batch)]
+            parts = [
+                attend_step(q[b : b + 1], k[b : b + 1], v[b : b + 1], key_positions[b : b + 1], tables, scale)
+                for b in range(batch)
+            ]
             return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
     if branches < window:
         result = branch_attention(q, k, v, positions, tables, scale)
@@ -260,8 +297,13 @@ def attend_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions
     return window_attention(q, k, v, key_positions, tables, scale, padding)
 
 
-def ring_counts(segment_lengths: tuple[int, ...], rates: tuple[int, ...], offsets: torch.Tensor,
-                key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+def ring_counts(
+    segment_lengths: tuple[int, ...],
+    rates: tuple[int, ...],
+    offsets: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_positions: torch.Tensor,
+) -> torch.Tensor:
     """How many branches count each (row, head, query, key): ``(B, H, Lq, C)`` float32,
     for keys at ``key_positions`` ``(B, C)`` in any order (slots of a ring; a negative
     position never counts) and queries at ``query_positions`` ``(B, Lq)``; ``offsets``
@@ -271,7 +313,7 @@ def ring_counts(segment_lengths: tuple[int, ...], rates: tuple[int, ...], offset
     keys = key_positions[:, None, None, :]
     queries = query_positions[:, None, :, None]
     count = torch.zeros((), device=keys.device)
-    for w, r, offset in zip(segment_lengths, rates, offsets):
+    for w, r, offset in zip(segment_lengths, rates, offsets, strict=True):
         start = torch.div(queries, w, rounding_mode="floor") * w  # the query's segment
         heads = offset.view(1, -1, 1, 1)
         counted = (keys >= start) & (keys <= queries) & (queries >= 0)

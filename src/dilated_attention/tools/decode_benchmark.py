@@ -29,17 +29,18 @@ Times are per token (a step's time over the batch).
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 
-from .benchmark import _seconds, _synchronize, machine_info
 from ..nn.cache import DilatedKVCache
-from ..utils.plotting import log_log, pyplot, save
 from ..nn.static_cache import StaticKVCache
+from ..utils.plotting import log_log, pyplot, save
+from .benchmark import _seconds, _synchronize, machine_info
 
 # Dense caches larger than this are not measured (they would not fit such a machine).
 MAX_DENSE_BYTES = 8 * 2**30
@@ -66,7 +67,7 @@ class DecodeRow:
     impl: str
     batch: str  # "1", "B equal", "B padded"
     position: int
-    ms_per_token: Optional[float]
+    ms_per_token: float | None
     cache_bytes: int
     note: str = ""
 
@@ -80,8 +81,9 @@ class DecodeResult:
 
 def _tokens(cfg: DecodeConfig, batch: int, count: int, generator: torch.Generator) -> list[torch.Tensor]:
     dtype = getattr(torch, cfg.dtype)
-    return [torch.randn(batch, 1, cfg.heads, cfg.head_dim, generator=generator).to(cfg.device, dtype)
-            for _ in range(count)]
+    return [
+        torch.randn(batch, 1, cfg.heads, cfg.head_dim, generator=generator).to(cfg.device, dtype) for _ in range(count)
+    ]
 
 
 def padding_of(cfg: DecodeConfig, batch: int, position: int) -> list[int]:
@@ -100,8 +102,16 @@ def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> 
     # from the latest common boundary a cycle before, which gives the same state.
     start = 0 if any(pads) else max(0, (position // cycle - 1) * cycle)
     batch = len(pads)
-    cache = DilatedKVCache(batch, cfg.heads, cfg.head_dim, cfg.segment_lengths, cfg.dilation_rates,
-                           start=torch.tensor([start - p for p in pads]), dtype=dtype, device=device)
+    cache = DilatedKVCache(
+        batch,
+        cfg.heads,
+        cfg.head_dim,
+        cfg.segment_lengths,
+        cfg.dilation_rates,
+        start=torch.tensor([start - p for p in pads]),
+        dtype=dtype,
+        device=device,
+    )
     generator = torch.Generator().manual_seed(position)
     tokens = _tokens(cfg, batch, min(cfg.steps, 64), generator)
     with torch.inference_mode():  # as a generation loop runs
@@ -111,8 +121,10 @@ def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> 
             history = history.to(device, dtype)
             cache.attend(history, history, history)
         _synchronize(device)
-        times = [_seconds(lambda t=tokens[i % len(tokens)]: cache.attend(t, t, t), device)
-                 for i in range(span_of(cfg, position))]
+        times = []
+        for i in range(span_of(cfg, position)):
+            token = tokens[i % len(tokens)]
+            times.append(_seconds(functools.partial(cache.attend, token, token, token), device))
     return DecodeRow("dilated", _batch_name(pads), position, 1e3 * statistics.fmean(times) / batch, cache.nbytes)
 
 
@@ -135,15 +147,20 @@ def dense_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> De
     def step(at: int):
         keys[:, :, at : at + 1] = token
         values[:, :, at : at + 1] = token
-        return _sdpa(token, keys[:, :, : at + 1], values[:, :, : at + 1],
-                     None if mask is None else mask[..., : at + 1])
+        return _sdpa(token, keys[:, :, : at + 1], values[:, :, : at + 1], None if mask is None else mask[..., : at + 1])
 
     with torch.inference_mode():
         step(position)
         at = [position + i * span // cfg.dense_steps for i in range(cfg.dense_steps)]
-        times = [_seconds(lambda a=a: step(a), device) for a in at]
-    return DecodeRow("dense", _batch_name(pads), position, 1e3 * statistics.median(times) / batch, nbytes,
-                     _dense_backend(device, mask is not None))
+        times = [_seconds(functools.partial(step, a), device) for a in at]
+    return DecodeRow(
+        "dense",
+        _batch_name(pads),
+        position,
+        1e3 * statistics.median(times) / batch,
+        nbytes,
+        _dense_backend(device, mask is not None),
+    )
 
 
 def span_of(cfg: DecodeConfig, position: int) -> int:
@@ -177,8 +194,16 @@ def graph_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int], impl:
     generator = torch.Generator().manual_seed(position)
     inputs = _tokens(cfg, batch, 3, generator)
     if impl == "dilated-graph":
-        cache = StaticKVCache(batch, cfg.heads, cfg.head_dim, cfg.segment_lengths, cfg.dilation_rates,
-                              start=torch.tensor([position - p for p in pads]), dtype=dtype, device=device)
+        cache = StaticKVCache(
+            batch,
+            cfg.heads,
+            cfg.head_dim,
+            cfg.segment_lengths,
+            cfg.dilation_rates,
+            start=torch.tensor([position - p for p in pads]),
+            dtype=dtype,
+            device=device,
+        )
         step: Callable[[], object] = lambda: cache.attend(*inputs)  # noqa: E731
         nbytes = cache.nbytes
     else:
@@ -212,20 +237,29 @@ def graph_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int], impl:
         with torch.cuda.graph(graph):
             step()
         times = [_seconds(graph.replay, device) for _ in range(cfg.dense_steps)]
-    return DecodeRow(impl, _batch_name(pads), position, 1e3 * statistics.median(times) / batch, nbytes,
-                     "CUDA graph" + ("" if impl == "dilated-graph" else ", SDPA over a fixed length, length mask"))
+    return DecodeRow(
+        impl,
+        _batch_name(pads),
+        position,
+        1e3 * statistics.median(times) / batch,
+        nbytes,
+        "CUDA graph" + ("" if impl == "dilated-graph" else ", SDPA over a fixed length, length mask"),
+    )
 
 
 def _batch_name(pads: Sequence[int]) -> str:
     return "1" if len(pads) == 1 else f"{len(pads)} {'padded' if any(pads) else 'equal'}"
 
 
+def _graph_measure(cfg: DecodeConfig, position: int, pads: Sequence[int], impl: str) -> DecodeRow:
+    return graph_step_time(cfg, position, pads, impl)
+
+
 def run(cfg: DecodeConfig, progress=print) -> DecodeResult:
     result = DecodeResult(cfg, machine_info(torch.device(cfg.device)))
     measures = [dilated_step_time, dense_step_time]
     if cfg.device == "cuda":
-        measures += [lambda c, p, pads, impl=impl: graph_step_time(c, p, pads, impl)
-                     for impl in ("dilated-graph", "dense-graph")]
+        measures += [functools.partial(_graph_measure, impl=impl) for impl in ("dilated-graph", "dense-graph")]
     for position in cfg.positions:
         padded = padding_of(cfg, cfg.batch, position)
         fed = any(padded) and position <= MAX_PADDED_POSITION  # a padded batch is fed from its start
@@ -234,21 +268,27 @@ def run(cfg: DecodeConfig, progress=print) -> DecodeResult:
                 row = measure(cfg, position, pads)
                 result.rows.append(row)
                 shown = "-" if row.ms_per_token is None else f"{row.ms_per_token:8.4f}"
-                progress(f"{row.impl:13} B={row.batch:9} position {row.position:>9,}: {shown} ms/token, "
-                         f"cache {row.cache_bytes / 2**20:10.1f} MiB {row.note}")
+                progress(
+                    f"{row.impl:13} B={row.batch:9} position {row.position:>9,}: {shown} ms/token, "
+                    f"cache {row.cache_bytes / 2**20:10.1f} MiB {row.note}"
+                )
     return result
 
 
 def format_table(result: DecodeResult) -> str:
     cfg = result.config
     lines = [
-        f"decode, one token per sequence per step: device {cfg.device} "
-        f"({result.machine.get('gpu', result.machine['cpu'])}), {result.machine['threads']} threads, "
-        f"torch {result.machine['torch']}, {cfg.dtype}, H={cfg.heads} D={cfg.head_dim}, "
-        f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}",
-        f"ms per token (a step's time over its batch) over the steps from the position on, min(position, "
-        f"{cfg.steps}) of them (at least 64): dilated their mean, dense the median of {cfg.dense_steps} spread over "
-        "them; padded: row b left-padded by b/(B-1) of an eighth of the position",
+        (
+            f"decode, one token per sequence per step: device {cfg.device} "
+            f"({result.machine.get('gpu', result.machine['cpu'])}), {result.machine['threads']} threads, "
+            f"torch {result.machine['torch']}, {cfg.dtype}, H={cfg.heads} D={cfg.head_dim}, "
+            f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}"
+        ),
+        (
+            f"ms per token (a step's time over its batch) over the steps from the position on, min(position, "
+            f"{cfg.steps}) of them (at least 64): dilated their mean, dense the median of {cfg.dense_steps} spread "
+            "over them; padded: row b left-padded by b/(B-1) of an eighth of the position"
+        ),
         "",
     ]
     impls = list(dict.fromkeys(r.impl for r in result.rows))
@@ -260,8 +300,11 @@ def format_table(result: DecodeResult) -> str:
         cells = [rows.get(i) for i in impls]
         shown = [f"{'-':>13}" if r is None or r.ms_per_token is None else f"{r.ms_per_token:>13.4f}" for r in cells]
         ours, dense = rows.get("dilated"), rows.get("dense")
-        ratio = (dense.ms_per_token / ours.ms_per_token if ours and dense and ours.ms_per_token and dense.ms_per_token
-                 else None)
+        ratio = (
+            dense.ms_per_token / ours.ms_per_token
+            if ours and dense and ours.ms_per_token and dense.ms_per_token
+            else None
+        )
         lines.append(f"{batch:>10} {position:>10,} " + " ".join(shown) + (f" {ratio:>13.2f}" if ratio else ""))
     backends = sorted({f"{r.impl}: {r.note}" for r in result.rows if r.note and not r.note.startswith("skipped")})
     memory = sorted({(r.impl, r.position, r.cache_bytes) for r in result.rows if r.batch == "1"})
@@ -286,5 +329,9 @@ def plot(result: DecodeResult, path: str) -> None:
             ax_m.plot(positions, [r.cache_bytes / 2**20 for r in rows], style, label=impl)
     log_log([(ax_t, "time per token (ms)"), (ax_m, "KV cache (MiB)")], "position (tokens seen)", legend_size=8)
     cfg = result.config
-    save(fig, path, f"decoding one token at a time, {cfg.device}, {cfg.dtype}, H={cfg.heads} D={cfg.head_dim}, "
-                    f"w={list(cfg.segment_lengths)} r={list(cfg.dilation_rates)}")
+    save(
+        fig,
+        path,
+        f"decoding one token at a time, {cfg.device}, {cfg.dtype}, H={cfg.heads} D={cfg.head_dim}, "
+        f"w={list(cfg.segment_lengths)} r={list(cfg.dilation_rates)}",
+    )
