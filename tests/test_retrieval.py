@@ -50,8 +50,8 @@ def test_examples_refuse_impossible_shapes():
     generator = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="task must be one of"):
         tasks.make_example("needle", 100, 20, generator)
-    with pytest.raises(ValueError, match="distance must be at least 18"):
-        tasks.make_example("passkey", 100, 17, generator)
+    with pytest.raises(ValueError, match="distance must be at least 14"):
+        tasks.make_example("passkey", 100, 13, generator)
     with pytest.raises(ValueError, match="length must be at least"):
         tasks.make_example("recall", 50, 45, generator)
 
@@ -80,7 +80,7 @@ class InductionCopier(torch.nn.Module):
 @pytest.mark.parametrize("task", tasks.TASKS)
 def test_a_perfect_copier_answers_at_every_distance(task):
     at = retrieval.distances(task, 1000)
-    assert at == [2**k for k in range(4 if task == "recall" else 5, 10)]
+    assert at == [2**k for k in range(4, 10)]
     result = retrieval.score(InductionCopier(k=6, rows=6), task, 300, at, examples=5, seed=3, batch_size=2)
     assert [s.distance for s in result.scores] == at
     assert [s.length for s in result.scores] == [max(300, tasks.min_length(task, d)) for d in at]
@@ -198,4 +198,4 @@ def test_evaluate_and_train_refuse_bad_task_options(tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "r"), "--task-fraction", "0.3", "--steps", "1"]) != 0
     assert "--task-fraction needs --task" in capsys.readouterr().err
     assert main(["evaluate", "--run", str(tmp_path / "none"), "--task", "passkey", "--max-distance", "5"]) != 0
-    assert "--max-distance must be at least 18" in capsys.readouterr().err
+    assert "--max-distance must be at least 14" in capsys.readouterr().err

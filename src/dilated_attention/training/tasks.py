@@ -2,7 +2,8 @@
 question whose answer only the fact gives.
 
 - ``passkey``: a five-digit key stated once inside filler text
-  (``PASSKEY = "48213"``), asked for at the end (``PASSKEY = "`` -> ``48213``).
+  (``PASSKEY\xff48213``), asked for at the end (``PASSKEY\xff`` -> ``48213``); the byte
+  ``0xFF`` (never in UTF-8 text) marks both.
 - ``recall``: a stream of key-value pairs (`` qmzv=3071;``), some of them repeated
   later; at the end one key is repeated and its value must follow
   (`` qmzv=`` -> ``3071``). Keys are four lowercase letters, distinct within an
@@ -24,7 +25,10 @@ import torch
 TASKS = ("passkey", "recall")
 DIGITS = b"0123456789"
 LETTERS = b"abcdefghijklmnopqrstuvwxyz"
-PASSKEY_FACT, PASSKEY_QUESTION = b'\nPASSKEY = "', b'\nPASSKEY = "'
+# The key follows the byte 0xFF, which UTF-8 text never holds: in any filler text the
+# fact and the question are the only places it occurs.
+MARK = b"\xff"
+PASSKEY_FACT, PASSKEY_QUESTION = b"\nPASSKEY" + MARK, b"\nPASSKEY" + MARK
 PASSKEY_DIGITS = 5
 RECALL_KEY, RECALL_VALUE = 4, 4
 _PAIR = 1 + RECALL_KEY + 1 + RECALL_VALUE + 1  # " qmzv=3071;"
@@ -51,7 +55,7 @@ def min_distance(task: str) -> int:
     """The shortest distance an example of ``task`` can have: the fact must end
     before the question starts."""
     if check_task(task) == "passkey":
-        return PASSKEY_DIGITS + len(b'"') + len(PASSKEY_QUESTION)
+        return PASSKEY_DIGITS + len(PASSKEY_QUESTION)
     return _PAIR
 
 
@@ -106,12 +110,11 @@ def _passkey(length: int, distance: int, generator: torch.Generator, filler: tor
     answer_at = length - PASSKEY_DIGITS
     fact_at = answer_at - distance  # the fact's first digit
     before = fact_at - len(PASSKEY_FACT)
-    between = distance - PASSKEY_DIGITS - 1 - len(PASSKEY_QUESTION)  # after the fact's closing quote
+    between = distance - PASSKEY_DIGITS - len(PASSKEY_QUESTION)  # after the fact's key
     text = (
         _text(filler, before, generator)
         + PASSKEY_FACT
         + key
-        + b'"'
         + _text(filler, between, generator)
         + PASSKEY_QUESTION
         + key
@@ -120,7 +123,8 @@ def _passkey(length: int, distance: int, generator: torch.Generator, filler: tor
 
 
 def _recall(length: int, distance: int, generator: torch.Generator) -> Example:
-    """Pairs and repeats of earlier pairs (one item in four), spaces padding the gaps
+    """Pairs and repeats of earlier pairs (one item in four, from a log-uniform number
+    of items back), spaces padding the gaps
     to exact lengths; the queried key occurs once before the question, ``distance``
     bytes back."""
     items = length // _PAIR + 2
@@ -136,7 +140,9 @@ def _recall(length: int, distance: int, generator: torch.Generator) -> Example:
         seen: list[int] = []
         for _ in range(count // _PAIR):
             repeat = seen and float(torch.rand((), generator=generator)) < 0.25
-            index = seen[int(torch.randint(0, len(seen), (), generator=generator))] if repeat else next(others)
+            # a repeat of the pair `back` items ago, log-uniform: near ones as often as far ones
+            back = int(math.exp(float(torch.rand((), generator=generator)) * math.log(len(seen) + 1))) if repeat else 0
+            index = seen[-min(max(back, 1), len(seen))] if repeat else next(others)
             seen.append(index)
             out.append(b" " + keys[index] + b"=" + values[index] + b";")
         return b"".join(out) + b" " * (count % _PAIR)
