@@ -1,4 +1,4 @@
-"""Measure the performance targets of issue 3 on this machine and say which are met.
+"""Measure the library's CPU efficiency against the machine's matmul and say which goals are met.
 
     python3 benchmarks/targets.py [--device cpu] [--skip-1m]
 
