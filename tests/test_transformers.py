@@ -29,8 +29,16 @@ from dilated_attention.integrations.transformers import DilatedCache, dilated_at
 from dilated_attention.reference import branch_offsets, branch_pattern  # noqa: E402
 
 BRANCHES = dict(segment_lengths=[4, 8], dilation_rates=[1, 2])
-register("dilated", **BRANCHES)
-register("dilated_one_segment", segment_lengths=[4096], dilation_rates=[1])
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    """The registrations these tests use, made before each test: other tests (the docs'
+    blocks) may register the same names with other branches in this process."""
+    register("dilated", **BRANCHES)
+    register("dilated_one_segment", segment_lengths=[4096], dilation_rates=[1])
+
+
 # The tests pass the cache as past_key_values=, the name every supported transformers version
 # takes (5.24 renamed it cache= and warns about the old name).
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
