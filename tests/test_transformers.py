@@ -24,7 +24,7 @@ from transformers import (  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager  # noqa: E402
 
-from dilated_attention import reference_dilated_attention  # noqa: E402
+from dilated_attention import dilated_attention, reference_dilated_attention  # noqa: E402
 from dilated_attention.integrations.transformers import DilatedCache, dilated_attention_forward, register  # noqa: E402
 from dilated_attention.reference import branch_offsets, branch_pattern  # noqa: E402
 
@@ -541,3 +541,50 @@ def test_without_transformers_the_integration_says_how_to_install_it(monkeypatch
     monkeypatch.delitem(sys.modules, "dilated_attention.integrations.transformers")
     with pytest.raises(MissingExtra, match=re.escape('python3 -m pip install -e ".[hf]"')):
         importlib.import_module("dilated_attention.integrations.transformers")
+
+
+def test_the_bounded_cache_knows_when_its_window_holds_a_nan_and_the_attention_honours_it():
+    """Each chunk is checked as it arrives; the window is marked finite again once the
+    NaN's position has left it, and a window marked non-finite gets the library's NaN rows."""
+    from dilated_attention.integrations.transformers import _WindowLayer
+
+    class Module(torch.nn.Module):
+        num_key_value_groups, is_causal = 2, True
+
+    gen = torch.Generator().manual_seed(4)
+    layer = _WindowLayer(sliding_window=8)  # keeps 7 positions, returns them with the new ones
+
+    def chunk(length, nan_at=None):
+        k, v = (torch.randn(1, 2, length, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+        if nan_at is not None:
+            k[0, 1, nan_at, 2] = float("nan")
+        return layer.update(k, v)
+
+    keys, _ = chunk(5)
+    assert keys.dilated_finite
+    keys, values = chunk(1, nan_at=0)  # position 5
+    assert not keys.dilated_finite
+    q = torch.randn(1, 4, 1, 4, generator=gen, dtype=torch.float64)
+    positions = torch.tensor([[5]])
+    out, _ = dilated_attention_forward(
+        Module(),
+        q,
+        keys,
+        values,
+        None,
+        scaling=0.5,
+        position_ids=positions,
+        mode="mixture",
+        head_offsets="interleaved",
+        **BRANCHES,
+    )
+    expected = dilated_attention(
+        q, keys, values, is_causal=True, softmax_scale=0.5, layout="bhnd", key_offset=0, **BRANCHES
+    )
+    torch.testing.assert_close(out.transpose(1, 2), expected, equal_nan=True)
+    assert out.isnan().any() and not out.isnan().all()  # the rows that attend to it, only
+    for length in range(7, 14):  # the window [length - 8, length) still holds position 5
+        keys, _ = chunk(1)
+        assert layer.cumulative_length == length and not keys.dilated_finite
+    keys, _ = chunk(1)  # the window is [6, 14)
+    assert keys.dilated_finite and not keys.isnan().any()

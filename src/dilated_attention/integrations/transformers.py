@@ -56,8 +56,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import functional
 from ..functional import dilated_attention
 from ..ops import validation
+from ..ops.engine import nonfinite_rows
 from ..ops.plan import window_start_needed
 from ..utils.extras import MissingExtra, install_hint
 
@@ -108,16 +110,26 @@ def register(
 class _WindowLayer(DynamicSlidingWindowLayer):
     """``transformers``' sliding-window cache layer, whose kept window never holds on
     to the memory of a long chunk it was cut from (after a prefill, the layer keeps a
-    view of the whole prompt's keys until the next step)."""
+    view of the whole prompt's keys until the next step), and which knows whether its
+    window holds a NaN or an infinity: each chunk is checked once as it arrives, so a
+    step need not scan the whole window again."""
+
+    # The position after the last chunk that held a NaN or an infinity (0: none did).
+    _nonfinite_until = 0
 
     def update(self, key_states, value_states, *args, **kwargs):
+        finite = nonfinite_rows(key_states, value_states) is None
         keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if not finite:
+            self._nonfinite_until = self.cumulative_length
         for name in ("keys", "values"):
             kept = getattr(self, name)
             if kept.untyped_storage().nbytes() > 2 * kept.numel() * kept.element_size():
                 setattr(self, name, kept.clone())
         # Where the window starts, for models that pass no position_ids to their attention.
         keys.dilated_first_slot = self.cumulative_length - keys.shape[-2]  # type: ignore[attr-defined]
+        # Whether every key and value of the returned window is finite.
+        keys.dilated_finite = self._nonfinite_until <= keys.dilated_first_slot  # type: ignore[attr-defined]
         return keys, values
 
 
@@ -232,7 +244,8 @@ def dilated_attention_forward(
         dropout_p=dropout,
         layout="bhnd",
     )
-    out = _attend_rows(query, key, value, mask, first, segment_lengths, options, s_aux)
+    keys_finite = getattr(key, "dilated_finite", False)  # set by DilatedCache
+    out = _attend_rows(query, key, value, mask, first, segment_lengths, options, s_aux, keys_finite)
     return out.transpose(1, 2), None
 
 
@@ -384,7 +397,9 @@ def _check_keys_reach_back(first: torch.Tensor, first_query_slot: int, segment_l
             )
 
 
-def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, options, sinks=None) -> torch.Tensor:
+def _attend_rows(
+    query, key, value, mask, first: torch.Tensor, segment_lengths, options, sinks=None, keys_finite: bool = False
+) -> torch.Tensor:
     """``(B, H, Lq, D)``. Rows whose keys start at a position ``>= 0`` go in one call
     (per-row ``key_offset``); rows whose first token follows ``p`` padding slots
     (``first = -p``) in one call per ``p``, their padding queries 0. Each call gets
@@ -428,6 +443,7 @@ def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, 
             torch.tensor(offsets) if len(set(offsets)) > 1 else offsets[0],
             options,
             sinks,
+            keys_finite,
         )
         if out is None:
             return result
@@ -436,12 +452,33 @@ def _attend_rows(query, key, value, mask, first: torch.Tensor, segment_lengths, 
     return out
 
 
-def _attend(q, k, v, mask, key_offset, options, sinks=None) -> torch.Tensor:
+def _attend(q, k, v, mask, key_offset, options, sinks=None, keys_finite: bool = False) -> torch.Tensor:
+    """``(B, H, Lq, D)``: :func:`dilated_attention` of one group of rows. ``keys_finite``:
+    the caller knows that ``k, v`` hold no NaN or infinity (a :class:`DilatedCache`
+    window), so the library does not scan them again."""
     padding = None if mask is None or bool(mask.all()) else ~mask
-    if sinks is None:
-        return dilated_attention(q, k, v, key_padding_mask=padding, key_offset=key_offset, **options)
-    out, lse = dilated_attention(q, k, v, key_padding_mask=padding, key_offset=key_offset, return_lse=True, **options)
-    return _with_sinks(out, lse, sinks)
+    if keys_finite and not options["dropout_p"]:
+        validation.refuse_torch_func()
+        call = validation.check_attention(
+            q,
+            k,
+            v,
+            options["segment_lengths"],
+            options["dilation_rates"],
+            options["mode"],
+            True,
+            options["softmax_scale"],
+            padding,
+            "bhnd",
+            options["head_offsets"],
+            key_offset,
+        )
+        out, lse = (t.transpose(1, 2) for t in functional.run(call, keys_checked=True))
+    else:
+        out, lse = dilated_attention(
+            q, k, v, key_padding_mask=padding, key_offset=key_offset, return_lse=True, **options
+        )
+    return out if sinks is None else _with_sinks(out, lse, sinks)
 
 
 def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
