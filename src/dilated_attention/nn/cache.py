@@ -10,7 +10,6 @@ result, row for row.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +17,6 @@ import torch
 from .. import functional
 from ..ops import decode, fused, validation
 from ..ops.engine import nonfinite_rows
-from ..ops.kernels import accumulator
 from ..ops.plan import window_start_needed
 
 
@@ -166,7 +164,6 @@ class DilatedKVCache(CacheSettings):
             dtype,
             device,
         )
-        self._sum_dtype = accumulator(dtype)
         self.reset(start)
 
     def reset(self, start: int | torch.Tensor = 0) -> None:
@@ -323,8 +320,7 @@ class DilatedKVCache(CacheSettings):
             return False
         if torch.compiler.is_compiling() or fused.requested(None) == "triton":
             return False
-        acc = self._sum_dtype
-        return math.isfinite(q.sum(dtype=acc).item() + k.sum(dtype=acc).item() + v.sum(dtype=acc).item())
+        return nonfinite_rows(q, k, v) is None
 
     def _attend_window(self, q, first_slot: int) -> torch.Tensor:
         """The output ``(B, L, H, D)`` of ``q`` through the lean path, once its keys are in

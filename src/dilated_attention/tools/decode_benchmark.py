@@ -251,15 +251,11 @@ def _batch_name(pads: Sequence[int]) -> str:
     return "1" if len(pads) == 1 else f"{len(pads)} {'padded' if any(pads) else 'equal'}"
 
 
-def _graph_measure(cfg: DecodeConfig, position: int, pads: Sequence[int], impl: str) -> DecodeRow:
-    return graph_step_time(cfg, position, pads, impl)
-
-
 def run(cfg: DecodeConfig, progress=print) -> DecodeResult:
     result = DecodeResult(cfg, machine_info(torch.device(cfg.device)))
     measures = [dilated_step_time, dense_step_time]
     if cfg.device == "cuda":
-        measures += [functools.partial(_graph_measure, impl=impl) for impl in ("dilated-graph", "dense-graph")]
+        measures += [functools.partial(graph_step_time, impl=impl) for impl in ("dilated-graph", "dense-graph")]
     for position in cfg.positions:
         padded = padding_of(cfg, cfg.batch, position)
         fed = any(padded) and position <= MAX_PADDED_POSITION  # a padded batch is fed from its start
