@@ -107,6 +107,8 @@ def test_scores_depend_on_the_seed_only():
     first, again, other = (retrieval.score(model, "recall", 200, [16, 64], examples=6, seed=s) for s in (1, 1, 2))
     assert first.scores == again.scores
     assert [s.answer_bits for s in first.scores] != [s.answer_bits for s in other.scores]
+    largest = retrieval.score(model, "recall", 200, [16, 64], examples=6, seed=2**63 - 1)  # the top of the range
+    assert [s.examples for s in largest.scores] == [6, 6] and largest.scores != first.scores
 
 
 def test_training_batches_mix_task_examples_reproducibly():

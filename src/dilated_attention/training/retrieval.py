@@ -70,12 +70,12 @@ def score(
     context = validation.check_positive_int(context, "context")
     examples = validation.check_positive_int(examples, "examples")
     batch_size = validation.check_positive_int(batch_size, "batch_size")
+    seed = validation.check_int(seed, "seed", 0, validation.SEED_LIMIT)
     result = RetrievalResult(task, tasks.chance(task))
     for distance in at:
         length = max(context, tasks.min_length(task, distance))
-        generator = torch.Generator().manual_seed(
-            validation.check_int(seed, "seed", 0, validation.SEED_LIMIT) * 1_000_003 + distance
-        )
+        # one generator per distance, within the range a torch generator's seed takes
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + distance) % validation.SEED_LIMIT)
         made = [tasks.make_example(task, length, distance, generator, filler) for _ in range(examples)]
         right, bits = 0, 0.0
         for first in range(0, examples, batch_size):
