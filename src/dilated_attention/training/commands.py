@@ -105,7 +105,7 @@ def add_train(sub, add_command) -> None:
         help="under torchrun, split every sequence across the processes instead of the batch "
         "(default: off, data parallel)",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
+    add_device_option(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: a progress bar)")
     p.set_defaults(run=_cmd_train)
 
@@ -152,6 +152,21 @@ def _cmd_train(args) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def add_run_option(p) -> None:
+    """``--run RUN_DIR`` (default: :func:`newest_run`), for the commands that read a run."""
+    p.add_argument(
+        "--run",
+        dest="run_dir",
+        type=folder,
+        metavar="RUN_DIR",
+        help=f"the run folder (default: the newest under {RUNS}/)",
+    )
+
+
+def add_device_option(p) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
 
 
 def folder(text: str) -> str:
@@ -205,13 +220,7 @@ def add_generate(sub, add_command) -> None:
         "bounded by the longest segment, however long the text), print it as it comes, then the "
         "speed and the cache's size.",
     )
-    p.add_argument(
-        "--run",
-        dest="run_dir",
-        type=folder,
-        metavar="RUN_DIR",
-        help=f"the run folder (default: the newest under {RUNS}/)",
-    )
+    add_run_option(p)
     p.add_argument(
         "--prompt", required=True, help="the text to continue, taken as the bytes the command line passes (required)"
     )
@@ -230,7 +239,7 @@ def add_generate(sub, add_command) -> None:
         help="sample among the likeliest bytes whose probability reaches p (default: 0.95)",
     )
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampling, in [0, 2**63) (default: 0)")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
+    add_device_option(p)
     p.set_defaults(run=_cmd_generate)
 
 
@@ -246,13 +255,7 @@ def add_evaluate(sub, add_command) -> None:
         "decoding writes the answer exactly. Prints a table and writes retrieval-TASK.json, .txt and .png "
         "(accuracy and answer loss against distance, each branch's reach marked) into the run folder.",
     )
-    p.add_argument(
-        "--run",
-        dest="run_dir",
-        type=folder,
-        metavar="RUN_DIR",
-        help=f"the run folder (default: the newest under {RUNS}/)",
-    )
+    add_run_option(p)
     p.add_argument("--task", required=True, choices=tasks.TASKS, help="the task (required)")
     p.add_argument("--examples", type=number(int, 1), default=32, help="examples per distance (default: 32)")
     p.add_argument(
@@ -264,7 +267,7 @@ def add_evaluate(sub, add_command) -> None:
     p.add_argument("--batch-size", type=number(int, 1), default=8, help="examples per forward pass (default: 8)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the examples, in [0, 2**63) (default: 0)")
     p.add_argument("--out", type=folder, help="folder for the results (default: the run folder)")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="device to run on (default: cuda if available, else cpu)")
+    add_device_option(p)
     p.set_defaults(run=_cmd_evaluate)
 
 
