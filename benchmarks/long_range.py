@@ -28,8 +28,7 @@ import torch
 
 from dilated_attention.models import LongNetConfig
 from dilated_attention.tools.benchmark import machine_info
-from dilated_attention.training import TrainSettings, load_model, read_log, retrieval, tasks, train
-from dilated_attention.training.data import load_corpus
+from dilated_attention.training import TrainSettings, evaluate_run, read_log, retrieval, tasks, train
 from dilated_attention.utils.files import write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,7 +61,6 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     folder = tempfile.mkdtemp(prefix="long-range-")
-    corpus = load_corpus()
     results, runs = [], {}
     try:
         for name, (segment_lengths, dilation_rates) in setups(args.context).items():
@@ -93,17 +91,7 @@ def main() -> int:
             )
             summary = train(run_dir, settings, config, progress=False)
             log = read_log(run_dir)
-            model = load_model(run_dir)
-            filler = corpus.validation if args.task == "passkey" else None
-            result = retrieval.score(
-                model,
-                args.task,
-                args.context,
-                retrieval.distances(args.task, args.context - tasks.min_length(args.task, 0)),
-                args.examples,
-                filler=filler,
-            )
-            result.reach = retrieval.branch_reach(segment_lengths, dilation_rates)
+            result = evaluate_run(run_dir, args.task, examples=args.examples)  # also into the run folder
             result.about = {
                 "setup": name,
                 "branches": f"w={list(segment_lengths)} r={list(dilation_rates)}",
