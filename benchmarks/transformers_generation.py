@@ -1,22 +1,29 @@
-"""Generation memory of a `transformers` Llama: `sdpa` vs dilated attention, side by side.
+"""Generation speed and memory of a `transformers` Llama: `sdpa` vs dilated attention, side by side.
 
-    python3 benchmarks/transformers_generation.py [--lengths 4096 65536] [--new-tokens 32]
+    python3 benchmarks/transformers_generation.py [--lengths 4096 65536] [--new-tokens 32] [--rounds 5]
 
 One small Llama (256 dims, 4 layers, 8 query heads, 4 key/value heads, float32,
 random weights: memory and time do not depend on them) continues random prompts of
-each length with ``model.generate`` (greedy) in three set-ups:
+each length with ``model.generate`` (greedy) in four set-ups:
 
 - ``sdpa``: PyTorch's attention, ``transformers``' default cache (it grows with the text);
+- ``sdpa + static cache``: the same with ``cache_implementation="static"`` (keys and
+  values preallocated for the whole generation: no copy of the cache per step);
 - ``dilated``: ``w = [2048, 4096, 8192], r = [1, 2, 4]``, the default cache;
 - ``dilated + DilatedCache``: the same, with the library's bounded cache (each layer
   keeps the last ``max(w) - 1 = 8191`` positions).
 
-Each run is a fresh process. Reported: the memory the cache's keys and values hold
-on to when ``generate`` returns; the peak resident memory ``generate`` adds over what the
-process held before it (see :class:`dilated_attention.tools.benchmark.PeakMemory`), during
-the prefill (the prompt's activations, the same for every set-up) and during the
-generation of the new tokens after it (the cache and one step's temporaries); the
-prefill time and the time per new token.
+Memory: each set-up runs once in a fresh process, which reports the memory the
+cache's keys and values hold on to when ``generate`` returns and the peak resident
+memory ``generate`` adds over what the process held before it (see
+:class:`dilated_attention.tools.benchmark.PeakMemory`), during the prefill (the
+prompt's activations, the same for every set-up) and during the generation of the
+new tokens after it (the cache and one step's temporaries), with the prefill time.
+
+Time per new token: for prompts up to ``--timed-up-to`` tokens, every set-up's
+``generate`` runs ``--rounds`` times in one process, the set-ups taking turns (so
+that a slow spell of the machine touches them alike); the median over the rounds.
+Longer prompts: the fresh process's one run.
 
 Writes benchmarks/results/transformers-generation-cpu.json and .txt.
 """
@@ -24,6 +31,7 @@ Writes benchmarks/results/transformers-generation-cpu.json and .txt.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -31,16 +39,15 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SETUPS = ("sdpa", "dilated", "dilated + DilatedCache")
+SETUPS = ("sdpa", "sdpa + static cache", "dilated", "dilated + DilatedCache")
 BRANCHES = dict(segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4])
 
 
-def measure(setup: str, length: int, new_tokens: int) -> dict:
-    """One ``generate`` call in this process."""
-    from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria
+def build(setup: str, length: int):
+    """The model of ``setup`` (the same weights for every set-up) and its random prompt."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dilated_attention.integrations.transformers import DilatedCache, held_bytes, register
-    from dilated_attention.tools.benchmark import PeakMemory
+    from dilated_attention.integrations.transformers import register
 
     register("dilated", **BRANCHES)
     torch.manual_seed(0)
@@ -54,57 +61,107 @@ def measure(setup: str, length: int, new_tokens: int) -> dict:
         max_position_embeddings=2 * length,
     )
     model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("sdpa" if setup == "sdpa" else "dilated")
-    prompt = torch.randint(0, 256, (1, length))
-    cache = DilatedCache(model) if setup.endswith("DilatedCache") else None
+    model.set_attn_implementation("sdpa" if setup.startswith("sdpa") else "dilated")
+    return model, torch.randint(0, 256, (1, length))
+
+
+def generate(setup: str, model, prompt: torch.Tensor, new_tokens: int, peak=None) -> dict:
+    """One ``generate`` call: its cache, the prefill's seconds and peak added memory (with
+    ``peak``, a running :class:`PeakMemory`), and the milliseconds per new token."""
+    from transformers import StoppingCriteria
+
+    from dilated_attention.integrations.transformers import DilatedCache
+
     times, prefill_peak = [], []
 
     class AfterEachToken(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
-            if not times:  # the prefill is done: measure the decoding steps' peak from here
+            if not times and peak is not None:  # the prefill is done: measure the decoding steps' peak from here
                 prefill_peak.append(peak.restart())
             times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     # past_key_values=: the name every supported transformers version takes
-    extra = {} if cache is None else {"past_key_values": cache}
-    with torch.no_grad(), PeakMemory(torch.device("cpu")) as peak:
-        start = time.perf_counter()
-        result = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            return_dict_in_generate=True,
-            stopping_criteria=[AfterEachToken()],
-            **extra,
-        )
-    held = result.get("cache", None) or result.get("past_key_values", None)
-    cache_bytes = held_bytes(held)
+    extra: dict = {}
+    if setup.endswith("DilatedCache"):
+        extra["past_key_values"] = DilatedCache(model)
+    elif setup.endswith("static cache"):
+        extra["cache_implementation"] = "static"
+    start = time.perf_counter()
+    result = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        stopping_criteria=[AfterEachToken()],
+        **extra,
+    )
     return {
-        "setup": setup,
-        "prompt_tokens": length,
-        "new_tokens": new_tokens,
-        "cache_bytes": cache_bytes,
-        "prefill_peak_added_bytes": prefill_peak[0],
-        "decode_peak_added_bytes": peak.added,
+        "cache": result.get("cache", None) or result.get("past_key_values", None),
         "prefill_s": times[0] - start,
+        "prefill_peak_added_bytes": prefill_peak[0] if prefill_peak else None,
         "ms_per_new_token": 1000 * (times[-1] - times[0]) / (len(times) - 1),
     }
 
 
+def measure(setup: str, length: int, new_tokens: int) -> dict:
+    """One ``generate`` call in this process: memory, prefill, time per token."""
+    from dilated_attention.integrations.transformers import held_bytes
+    from dilated_attention.tools.benchmark import PeakMemory
+
+    model, prompt = build(setup, length)
+    with torch.no_grad(), PeakMemory(torch.device("cpu")) as peak:
+        run = generate(setup, model, prompt, new_tokens, peak)
+    return {
+        "setup": setup,
+        "prompt_tokens": length,
+        "new_tokens": new_tokens,
+        "cache_bytes": held_bytes(run["cache"]),
+        "prefill_peak_added_bytes": run["prefill_peak_added_bytes"],
+        "decode_peak_added_bytes": peak.added,
+        "prefill_s": run["prefill_s"],
+        "ms_per_new_token": run["ms_per_new_token"],
+        "ms_per_new_token_rounds": None,
+    }
+
+
+def timed_rounds(length: int, new_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """Milliseconds per new token of every set-up, ``rounds`` times, the set-ups taking turns."""
+    models = {setup: build(setup, length) for setup in SETUPS}
+    times: dict[str, list[float]] = {setup: [] for setup in SETUPS}
+    with torch.no_grad():
+        for setup, (model, prompt) in models.items():  # warm-up, not recorded
+            generate(setup, model, prompt, 2)
+        for _ in range(rounds):
+            for setup, (model, prompt) in models.items():
+                times[setup].append(generate(setup, model, prompt, new_tokens)["ms_per_new_token"])
+    return times
+
+
 def table(rows: list[dict]) -> str:
-    lines = [
-        f"{'':<32}{'cache':>8}{'peak added MiB':>24}",
-        f"{'setup':<24}{'prompt':>8}{'MiB':>8}{'prefill':>12}{'decode':>12}{'prefill s':>11}{'ms/token':>10}",
-    ]
+    """The rows as a text table; ``x best sdpa``: time per token over the faster ``sdpa``
+    set-up's at the same prompt length."""
+    header = f"{'setup':<24}{'prompt':>8}{'MiB':>8}{'prefill':>12}{'decode':>12}{'prefill s':>11}{'ms/token':>10}"
+    lines = [f"{'':<32}{'cache':>8}{'peak added MiB':>24}", header + f"{'x best sdpa':>13}"]
     for r in rows:
         mib = [r[key] / 2**20 for key in ("cache_bytes", "prefill_peak_added_bytes", "decode_peak_added_bytes")]
+        sdpa = [
+            o["ms_per_new_token"] for o in rows if o["prompt_tokens"] == r["prompt_tokens"] and o["setup"][:4] == "sdpa"
+        ]
+        ratio = f"{r['ms_per_new_token'] / min(sdpa):>13.2f}" if sdpa else ""
         lines.append(
             f"{r['setup']:<24}{r['prompt_tokens']:>8}{mib[0]:>8.1f}{mib[1]:>12.1f}{mib[2]:>12.1f}"
-            f"{r['prefill_s']:>11.2f}{r['ms_per_new_token']:>10.1f}"
+            f"{r['prefill_s']:>11.2f}{r['ms_per_new_token']:>10.1f}{ratio}"
+        )
+    rounds = {len(r["ms_per_new_token_rounds"]) for r in rows if r.get("ms_per_new_token_rounds")}
+    timed = sorted({r["prompt_tokens"] for r in rows if r.get("ms_per_new_token_rounds")})
+    if rounds:
+        lines.append(
+            f"ms/token: the median of {max(rounds)} rounds, the set-ups taking turns in one process (prompts "
+            f"{', '.join(map(str, timed))}); else one run in a fresh process"
         )
     return "\n".join(lines)
 
@@ -113,10 +170,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 65536])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--timed-up-to", type=int, default=8192)
     parser.add_argument("--one", nargs=2, metavar=("SETUP", "LENGTH"), help=argparse.SUPPRESS)
+    parser.add_argument("--rounds-of", type=int, metavar="LENGTH", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one[0], int(args.one[1]), args.new_tokens)))
+        return
+    if args.rounds_of:
+        print(json.dumps(timed_rounds(args.rounds_of, args.new_tokens, args.rounds)))
         return
     from dilated_attention.tools.benchmark import machine_info
     from dilated_attention.utils.files import write_results
@@ -127,7 +190,15 @@ def main() -> None:
             command = [sys.executable, __file__, "--one", setup, str(length), "--new-tokens", str(args.new_tokens)]
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+        if length <= args.timed_up_to:
+            command = [sys.executable, __file__, "--rounds-of", str(length), "--new-tokens", str(args.new_tokens)]
+            command += ["--rounds", str(args.rounds)]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            rounds = json.loads(done.stdout.strip().splitlines()[-1])
+            for row in rows[-len(SETUPS) :]:
+                row["ms_per_new_token_rounds"] = rounds[row["setup"]]
+                row["ms_per_new_token"] = statistics.median(rounds[row["setup"]])
+        print(table(rows[-len(SETUPS) :]), flush=True)
     import transformers
 
     payload = {

@@ -166,3 +166,35 @@ def test_rows_at_any_positions_share_branch_and_window_calls(cfg, data):
         for out, lse in [window] + ([branch] if branch is not None else []):
             assert max_relative_error(out[row : row + 1], ref) <= 1e-10
             assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10
+
+
+@settings(max_examples=60)
+@given(configs(max_len=8), st.integers(1, 40), st.sampled_from([torch.float32, torch.float64]))
+def test_early_steps_read_the_bias_from_a_table(cfg, longer, dtype):
+    """Queries in the first segment of every branch: the bias is a view of a table made
+    once, equal to the one filled for the step, at every first position and row count."""
+    lengths = [w + longer for w in cfg["segment_lengths"]]  # first segments longer than MAX_ROWS, sometimes
+    attn = dict(segment_lengths=lengths, dilation_rates=cfg["dilation_rates"], mode=cfg["mode"])
+    tables = tables_of(dict(attn, head_offsets=cfg["head_offsets"]), cfg["heads"])
+    for rows in {1, 3, min(decode.MAX_ROWS, min(lengths))}:
+        for first in range(min(lengths) - rows + 1):
+            early = tables.early_bias(first, rows, dtype)
+            assert early is not None
+            filled = decode.filled_bias(tables, [first], rows, first + rows, cfg["heads"], "cpu", dtype)
+            assert early[0].shape == filled[0].shape and early[1] == filled[1]
+            assert torch.equal(torch.isneginf(early[0]), torch.isneginf(filled[0]))
+            torch.testing.assert_close(early[0], filled[0], rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0)
+    assert tables.early_bias(min(lengths) - 1, 2, dtype) is None and tables.early_bias(-1, 1, dtype) is None
+
+
+def test_early_steps_of_a_cache_are_the_definition():
+    """A cache decoding from position 0 through the first segments (the table's view)
+    and past them (the filled bias), against the reference."""
+    from dilated_attention import DilatedKVCache
+
+    attn = dict(segment_lengths=[24, 40], dilation_rates=[1, 3], mode="mixture", head_offsets="contiguous")
+    (q, k, v), _, _ = random_inputs(2, 1, 70, 4, 8)
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    cache = DilatedKVCache(1, 4, 8, **attn, dtype=torch.float64)
+    out = torch.cat([cache.attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]) for i in range(70)], 1)
+    assert max_relative_error(out, reference_dilated_attention(q, k, v, is_causal=True, **attn)[0]) <= 1e-10

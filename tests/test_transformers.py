@@ -5,6 +5,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 # The imports below follow the importorskip (hence E402), which skips this file without transformers.
@@ -588,3 +590,50 @@ def test_the_bounded_cache_knows_when_its_window_holds_a_nan_and_the_attention_h
         assert layer.cumulative_length == length and not keys.dilated_finite
     keys, _ = chunk(1)  # the window is [6, 14)
     assert keys.dilated_finite and not keys.isnan().any()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_the_bounded_cache_appends_in_place_as_transformers_concatenates(data):
+    """A DilatedCache layer writes short chunks into buffers with room to spare: it
+    returns what transformers' sliding-window layer returns, chunk after chunk, with beam
+    reorders, batch selections, crops and resets in between; what it returned earlier
+    never changes; and its buffers stay within half as many slots again as they hold."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from dilated_attention.integrations.transformers import _WindowLayer
+
+    window = data.draw(st.integers(2, 12))
+    ours, theirs = _WindowLayer(sliding_window=window), DynamicSlidingWindowLayer(sliding_window=window)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    batch, returned = 3, []
+    for _ in range(data.draw(st.integers(1, 25))):
+        action = data.draw(st.sampled_from(["chunk", "chunk", "chunk", "reorder", "select", "reset"]))
+        if action == "reorder" and ours.get_seq_length():
+            beams = torch.randint(0, batch, (batch,), generator=gen)
+            ours.reorder_cache(beams)
+            theirs.reorder_cache(beams)
+            continue
+        if action == "select" and ours.get_seq_length() and batch > 1:
+            batch -= 1
+            kept = torch.arange(batch)
+            ours.batch_select_indices(kept)
+            theirs.batch_select_indices(kept)
+            continue
+        if action == "reset":
+            ours.reset()
+            theirs.reset()
+            continue
+        length = data.draw(st.integers(1, 2 * window))
+        k, v = (torch.randn(batch, 2, length, 3, generator=gen, dtype=torch.float64) for _ in range(2))
+        got, expected = ours.update(k, v), theirs.update(k, v)
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        returned.append((got[0], got[0].clone()))
+        row_bytes = batch * 2 * 3 * 8  # one position of keys: batch x heads x head_dim x float64
+        slots = ours.keys.untyped_storage().nbytes() // row_bytes
+        assert slots <= max(got[0].shape[2] * 3 // 2 + 1, 2 * ours.keys.shape[2])
+    for tensor, snapshot in returned:
+        assert torch.equal(tensor, snapshot)

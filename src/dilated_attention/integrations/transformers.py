@@ -108,28 +108,74 @@ def register(
 
 
 class _WindowLayer(DynamicSlidingWindowLayer):
-    """``transformers``' sliding-window cache layer, whose kept window never holds on
-    to the memory of a long chunk it was cut from (after a prefill, the layer keeps a
-    view of the whole prompt's keys until the next step), and which knows whether its
-    window holds a NaN or an infinity: each chunk is checked once as it arrives, so a
-    step need not scan the whole window again."""
+    """``transformers``' sliding-window cache layer, which appends a few positions (a
+    decode step) in place, in buffers with room to spare (half as many slots again as
+    they hold, so that moving the kept positions to new buffers costs ``O(1)`` per
+    position), where ``transformers`` concatenates the whole window every step; whose
+    kept window never holds on to the memory of a long chunk it was cut from; and which
+    knows whether its window holds a NaN or an infinity: each chunk is checked once as
+    it arrives, so a step need not scan the whole window again."""
 
     # The position after the last chunk that held a NaN or an infinity (0: none did).
     _nonfinite_until = 0
+    # (keys, values) buffers (B, H_kv, slots, D) whose slots [end - kept, end) hold the
+    # kept positions, and the views of them this layer handed out as self.keys, self.values
+    # (anything else there was put by transformers: reorder, crop, reset, offload).
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    _end = 0
+    _kept: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states, value_states, *args, **kwargs):
         finite = nonfinite_rows(key_states, value_states) is None
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self._nonfinite_until = 0
+        length = key_states.shape[-2]
+        in_place = length < self.sliding_window // 2 and not self.record_past
+        if in_place and torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            in_place = False  # autograd keeps what it used: transformers' concatenation
+        if in_place:
+            keys, values = self._append(key_states, value_states)
+        else:
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            for name in ("keys", "values"):
+                kept = getattr(self, name)
+                if kept.untyped_storage().nbytes() > 2 * kept.numel() * kept.element_size():
+                    setattr(self, name, kept.clone())
         if not finite:
             self._nonfinite_until = self.cumulative_length
-        for name in ("keys", "values"):
-            kept = getattr(self, name)
-            if kept.untyped_storage().nbytes() > 2 * kept.numel() * kept.element_size():
-                setattr(self, name, kept.clone())
         # Where the window starts, for models that pass no position_ids to their attention.
         keys.dilated_first_slot = self.cumulative_length - keys.shape[-2]  # type: ignore[attr-defined]
         # Whether every key and value of the returned window is finite.
         keys.dilated_finite = self._nonfinite_until <= keys.dilated_first_slot  # type: ignore[attr-defined]
+        return keys, values
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept positions and ``key_states, value_states`` ``(B, H_kv, L, D)`` after
+        them, as views of the buffers, the new ones written in place."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = key_states.shape[-2]
+        self.cumulative_length += length
+        old_keys, old_values = self.keys, self.values
+        assert old_keys is not None and old_values is not None  # set by lazy_initialization
+        kept = old_keys.shape[-2] if old_keys.dim() == 4 else 0  # transformers starts from an empty 1-D tensor
+        ours = self._kept is not None and old_keys is self._kept[0] and old_values is self._kept[1]
+        if self._buffers is None or not ours or self._end + length > self._buffers[0].shape[-2]:
+            need = kept + length
+            shape = (*key_states.shape[:2], need + need // 2 + 1, key_states.shape[-1])
+            fresh = [torch.empty(shape, dtype=new.dtype, device=new.device) for new in (key_states, value_states)]
+            if kept:
+                fresh[0][:, :, :kept].copy_(old_keys)
+                fresh[1][:, :, :kept].copy_(old_values)
+            self._buffers, self._end = (fresh[0], fresh[1]), kept
+        held_keys, held_values = self._buffers
+        start, self._end = self._end - kept, self._end + length
+        held_keys[:, :, self._end - length : self._end].copy_(key_states)
+        held_values[:, :, self._end - length : self._end].copy_(value_states)
+        keys, values = held_keys[:, :, start : self._end], held_values[:, :, start : self._end]
+        stays = min(self.sliding_window - 1, kept + length)
+        self.keys, self.values = keys[:, :, -stays:], values[:, :, -stays:]
+        self._kept = (self.keys, self.values)
         return keys, values
 
 
@@ -329,8 +375,8 @@ def _check_sinks(sinks, num_heads: int) -> None:
 
 def _first_key_positions(
     position_ids, mask, batch: int, num_queries: int, num_keys: int, first_slot: int = 0
-) -> torch.Tensor:
-    """``(B,)`` int64: the sequence position of each row's first key slot, from the
+) -> list[int]:
+    """Per row, the sequence position of its first key slot, from the
     queries' ``position_ids`` (slot ``i`` is position ``first + i``): negative where a
     row's first token (position 0) comes after left padding; ``-2**62`` for a row
     with no real query (it outputs 0). Without ``position_ids`` the slots are the
@@ -345,7 +391,7 @@ def _first_key_positions(
                     "left-padded row are unknown (segments follow each sequence's own positions): pad on the "
                     "right, or run each prompt alone"
                 )
-        return torch.full((batch,), int(first_slot), dtype=torch.int64)
+        return [int(first_slot)] * batch
     if (
         position_ids.dim() not in (1, 2)
         or position_ids.shape[-1] != num_queries
@@ -355,6 +401,11 @@ def _first_key_positions(
             f"position_ids must have shape (batch, queries) = {(batch, num_queries)} or "
             f"(1, {num_queries}), got {tuple(position_ids.shape)}"
         )
+    if num_queries == 1:  # a decode step: in Python, one transfer
+        positions = position_ids.reshape(-1).tolist()
+        positions = positions * batch if len(positions) == 1 else positions
+        real_rows = [True] * batch if mask is None else mask[:, -1].tolist()
+        return [p - (num_keys - 1) if real else NO_QUERY for p, real in zip(positions, real_rows, strict=True)]
     slots = torch.arange(num_keys - num_queries, num_keys, device=position_ids.device)
     first = position_ids.reshape(-1, num_queries).expand(batch, -1) - slots  # per query: its row's first slot
     real = None if mask is None else mask[:, num_keys - num_queries :].to(first.device)
@@ -373,7 +424,7 @@ def _first_key_positions(
             "from its first slot); packed sequences and other positions are not supported (row "
             f"{row}: slot minus position = {sorted(set((-first[row][_all_or(real, row)]).tolist()))})"
         )
-    return row_first.squeeze(1).cpu()
+    return row_first.squeeze(1).tolist()
 
 
 def _all_or(real: torch.Tensor | None, row: int):
@@ -384,9 +435,9 @@ def _all_or(real: torch.Tensor | None, row: int):
 NO_QUERY = -(2**62)  # the first-key position of a row whose queries are all padding
 
 
-def _check_keys_reach_back(first: torch.Tensor, first_query_slot: int, segment_lengths) -> None:
+def _check_keys_reach_back(first: list[int], first_query_slot: int, segment_lengths) -> None:
     """Every row's keys must start where its first query's segments start (or before)."""
-    for row, position in enumerate(first.tolist()):
+    for row, position in enumerate(first):
         query = position + first_query_slot
         if position > 0 and position > window_start_needed(query, segment_lengths):
             raise ValueError(
@@ -398,7 +449,7 @@ def _check_keys_reach_back(first: torch.Tensor, first_query_slot: int, segment_l
 
 
 def _attend_rows(
-    query, key, value, mask, first: torch.Tensor, segment_lengths, options, sinks=None, keys_finite: bool = False
+    query, key, value, mask, first: list[int], segment_lengths, options, sinks=None, keys_finite: bool = False
 ) -> torch.Tensor:
     """``(B, H, Lq, D)``. Rows whose keys start at a position ``>= 0`` go in one call
     (per-row ``key_offset``); rows whose first token follows ``p`` padding slots
@@ -409,7 +460,7 @@ def _attend_rows(
     enter each call's softmax (:func:`_with_sinks`)."""
     num_queries, num_keys = query.shape[2], key.shape[2]
     first_query_slot = num_keys - num_queries
-    starts = first.tolist()
+    starts = first
     groups = [[row for row, start in enumerate(starts) if start >= 0]]
     groups += [
         [row for row, s in enumerate(starts) if s == start] for start in sorted(set(starts)) if NO_QUERY < start < 0
@@ -458,20 +509,22 @@ def _attend(q, k, v, mask, key_offset, options, sinks=None, keys_finite: bool = 
     window), so the library does not scan them again."""
     padding = None if mask is None or bool(mask.all()) else ~mask
     if keys_finite and not options["dropout_p"]:
+        # The options were checked by register(), the keys' reach and the mask by the caller.
         validation.refuse_torch_func()
-        call = validation.check_attention(
-            q,
-            k,
-            v,
+        validation.check_qkv(q, k, v, "bhnd")
+        offsets = tuple(key_offset.tolist()) if isinstance(key_offset, torch.Tensor) else (key_offset,) * q.shape[0]
+        call = validation.Attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            padding,
             options["segment_lengths"],
             options["dilation_rates"],
             options["mode"],
-            True,
-            options["softmax_scale"],
-            padding,
-            "bhnd",
             options["head_offsets"],
-            key_offset,
+            True,
+            validation.check_scale(options["softmax_scale"], q.shape[-1]),
+            offsets,
         )
         out, lse = (t.transpose(1, 2) for t in functional.run(call, keys_checked=True))
     else:

@@ -243,8 +243,8 @@ class DilatedKVCache(CacheSettings):
             self._bad = None if self._bad is None else _moved(self._bad, capacity, kept_slots, dim=1)
             self._end = kept
         first = self._end
-        self._k.narrow(2, first, length).copy_(k.detach().transpose(1, 2))
-        self._v.narrow(2, first, length).copy_(v.detach().transpose(1, 2))
+        self._k.narrow(2, first, length).copy_((k.detach() if k.requires_grad else k).transpose(1, 2))
+        self._v.narrow(2, first, length).copy_((v.detach() if v.requires_grad else v).transpose(1, 2))
         if self._bad is not None:
             self._bad[:, first : first + length] = False if flags is None else flags
         self._end = first + length
@@ -325,15 +325,18 @@ class DilatedKVCache(CacheSettings):
     def _attend_window(self, q, first_slot: int) -> torch.Tensor:
         """The output ``(B, L, H, D)`` of ``q`` through the lean path, once its keys are in
         the buffers from slot ``first_slot`` on (the positions are not yet advanced)."""
-        stop = first_slot + q.shape[1]
+        rows = q.shape[1]
+        stop = first_slot + rows
         tables = decode.decode_tables(
             self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets, self.device
         )
+        # the keys every query reaches back to, and no further
+        width = max(1, min(stop, max(tables.reach(p, p + rows - 1) for p in self._position)))
         out, _ = decode.attend_step(
             q,
-            self._k.narrow(2, 0, stop),
-            self._v.narrow(2, 0, stop),
-            [position - first_slot for position in self._position],
+            self._k.narrow(2, stop - width, width),
+            self._v.narrow(2, stop - width, width),
+            [position + rows - width for position in self._position],
             tables,
             self._kernel_scale,
         )

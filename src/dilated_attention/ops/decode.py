@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import contiguous_last_dim, merge_into
+from .engine import contiguous_last_dim
 from .kernels import accumulator
 from .plan import branch_head_sets, branch_table, key_heads
 
-_aten = torch.ops.aten
+# PyTorch's fused CPU attention, ``(out, lse)``; its direct binding costs microseconds less per
+# call than ``torch.ops.aten``'s.
+_cpu_attention = torch._scaled_dot_product_flash_attention_for_cpu
 # Query rows a step takes through this path at most (more are a prefill chunk).
 MAX_ROWS = 16
 # What the branch-by-branch path's extra calls and merges cost, in (key, head) pairs
@@ -85,6 +87,79 @@ class DecodeTables:
     def segment_lengths(self) -> tuple[int, ...]:
         return tuple(w for w, _, _, _ in self.branches)
 
+    @functools.cached_property
+    def first_length(self) -> int:
+        """The shortest segment length: positions below it are in every branch's first segment."""
+        return min(self.segment_lengths)
+
+    def early_bias(self, first: int, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool] | None:
+        """:func:`window_bias` of one sequence whose ``rows`` queries from ``first`` on all
+        lie in the first segment of every branch (``0 <= first``, ``first + rows <=
+        min(segment_lengths)``), as a view of a table made once: ``None`` elsewhere, or
+        where the table would be too large. There a key ``d`` positions before a query at
+        ``p`` is counted by each branch ``(w, r)`` whose ``r`` divides ``d``, for the heads
+        of phase ``p % r``: the bias depends on ``p`` only through ``p mod lcm(r)``."""
+        if first < 0 or first + rows > self.first_length:
+            return None
+        found = self._early_tables.get(dtype)
+        if found is None:
+            found = self._early_tables[dtype] = _early_table(self, dtype)
+        table, empty = found
+        if table is None:
+            return None
+        period, heads, length = len(empty) - MAX_ROWS, table.shape[1], table.shape[2]
+        phase = first % period
+        # row i, head h, key j: table[phase + i, h, m - 1 - (first + i) + j], m = min(w)
+        view = table.as_strided(
+            (1, heads, rows, first + rows),
+            (0, length, heads * length - 1, 1),
+            phase * heads * length + length - MAX_ROWS - 1 - first,
+        )
+        return view, any(empty[phase : phase + rows])
+
+    @functools.cached_property
+    def reused(self) -> dict[str, tuple]:
+        """``"filled"``: the last bias :func:`window_bias` filled, with its arguments."""
+        return {}
+
+    @functools.cached_property
+    def _early_tables(self) -> dict[torch.dtype, tuple[torch.Tensor | None, tuple[bool, ...]]]:
+        return {}
+
+
+# Elements of the largest bias kept for the next layer's step (4 MiB in float32).
+MAX_REUSED_BIAS = 2**20
+# Elements of the largest table :meth:`DecodeTables.early_bias` makes (16 MiB in float32).
+MAX_EARLY_TABLE = 2**22
+
+
+def _early_table(tables: DecodeTables, dtype: torch.dtype) -> tuple[torch.Tensor | None, tuple[bool, ...]]:
+    """``(table, empty)`` for :meth:`DecodeTables.early_bias`: per phase ``t`` in ``[0,
+    lcm(r) + MAX_ROWS)``, ``table[t]`` ``(H, m + MAX_ROWS)`` (``m = min(w)``) holds at
+    ``m - 1 - d`` the log-multiplicity of the key ``d`` positions before a query whose
+    position is ``t`` modulo ``lcm(r)``, and ``-inf`` after column ``m - 1`` (keys
+    after the query); ``empty[t]``: whether some head attends to no key there."""
+    period = math.lcm(*(r for _, r, _, _ in tables.branches))
+    first_length = tables.first_length
+    heads = tables.branches[0][2][0].shape[0]
+    phases = period + MAX_ROWS
+    if phases * heads * (first_length + MAX_ROWS) > MAX_EARLY_TABLE:
+        return None, ()
+    back = torch.arange(first_length - 1, -1, -1, device=tables.branches[0][2][0].device)  # d, by column
+    table = torch.full((phases, heads, first_length + MAX_ROWS), -math.inf, dtype=dtype, device=back.device)
+    empty = []
+    for t in range(phases):
+        count = torch.zeros(heads, first_length, dtype=dtype, device=back.device)
+        counted = 0
+        for _, r, by_phase, chosen in tables.branches:
+            phase = t % r
+            if phase < len(chosen) and chosen[phase]:
+                count += by_phase[phase].to(dtype) * (back % r == 0)
+                counted |= chosen[phase]
+        table[t, :, :first_length] = count.log()
+        empty.append(counted != tables.every_head)
+    return table, tuple(empty)
+
 
 @functools.lru_cache(maxsize=64)
 def decode_tables(
@@ -121,8 +196,28 @@ def window_bias(
     keys of ``rows`` consecutive queries per sequence, the first at ``firsts[b]`` and the
     last at the window's last key: ``log(multiplicity)``; and whether some (query,
     head) attends to no key (a query at a negative position, or selected by no
-    branch). One tensor filled in place whatever the batch: a strided column view per
-    (sequence, query, branch)."""
+    branch). Early in a sequence a view of a table (:meth:`DecodeTables.early_bias`),
+    else :func:`filled_bias`. Read-only: it may be a view of the table."""
+    if len(firsts) == 1 and width == firsts[0] + rows:
+        early = tables.early_bias(firsts[0], rows, dtype)
+        if early is not None:
+            return early
+    # The layers of a model take their steps at the same positions, one after another.
+    key = (tuple(firsts), rows, width, dtype, torch.is_inference_mode_enabled())
+    last = tables.reused.get("filled")
+    if last is not None and last[0] == key:
+        return last[1]
+    bias = filled_bias(tables, firsts, rows, width, num_heads, device, dtype)
+    if bias[0].numel() <= MAX_REUSED_BIAS:
+        tables.reused["filled"] = (key, bias)
+    return bias
+
+
+def filled_bias(
+    tables: DecodeTables, firsts: Sequence[int], rows: int, width: int, num_heads: int, device, dtype=torch.float32
+) -> tuple[torch.Tensor, bool]:
+    """:func:`window_bias`, filled in place: one tensor whatever the batch, a strided
+    column view per (sequence, query, branch)."""
     # count - 1 from the start: log1p of it is log(count), fast where the count is 0 (log is not)
     count = torch.full((len(firsts), num_heads, rows, width), -1.0, device=device, dtype=dtype)
     empty = False
@@ -168,11 +263,12 @@ def window_attention(
     shared = len(set(firsts)) == 1  # sequences at one position share one bias
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the scores' dtype
     bias, empty = window_bias(tables, firsts[:1] if shared else firsts, rows, width, num_heads, q.device, dtype)
-    k = contiguous_last_dim(k.narrow(2, num_keys - width, width))
-    v = contiguous_last_dim(v.narrow(2, num_keys - width, width))
+    if width < num_keys:
+        k, v = k.narrow(2, num_keys - width, width), v.narrow(2, num_keys - width, width)
+    k, v = contiguous_last_dim(k), contiguous_last_dim(v)
     if padding is not None:
         bias = bias.masked_fill(padding[:, None, None, num_keys - width :], -math.inf)
-    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+    out, lse = _cpu_attention(
         contiguous_last_dim(q).transpose(1, 2),
         k,
         v,
@@ -222,9 +318,8 @@ def branch_attention(
     queries, end = contiguous_last_dim(q).transpose(1, 2), k.shape[2]  # each query's own key is slot end - 1
     k, v = contiguous_last_dim(k), contiguous_last_dim(v)
     acc = accumulator(q.dtype)
-    out: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
-    for _w, r, chosen, heads_by_phase, groups in _phase_groups(tables, positions):
+    parts: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
+    for _w, r, _chosen, heads_by_phase, groups in _phase_groups(tables, positions):
         for phase, members in groups.items():
             heads = heads_by_phase[phase]
             kv, _, gathered = key_heads(heads.indices(num_heads), groups_per_kv)
@@ -237,7 +332,7 @@ def branch_attention(
                 counts = torch.tensor([members.get(row, 0) for row in range(batch)], device=q.device)
                 columns = torch.arange(longest, device=q.device)
                 mask = torch.where(columns >= longest - counts[:, None], 0.0, -math.inf).to(acc)[:, None, None, :]
-            o, part_lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            o, part_lse = _cpu_attention(
                 queries[:, heads],
                 k[:, slice(*kv), keys],
                 v[:, slice(*kv), keys],
@@ -248,17 +343,27 @@ def branch_attention(
             )
             if mask is not None:  # the kernel gives rows with no key lse 0
                 part_lse = part_lse.masked_fill(torch.isneginf(mask[:, :, :, -1:]).view(batch, 1, 1), -math.inf)
-            if out is None and mask is None and chosen[phase] == tables.every_head and tables.out_scale == 1.0:
-                out, lse = o.to(acc), part_lse
-                continue
-            if out is None or lse is None:
-                out = q.new_zeros(batch, num_heads, 1, dim, dtype=acc)
-                lse = torch.full((batch, num_heads, 1), -math.inf, dtype=part_lse.dtype, device=q.device)
-            merge_into(out[:, heads], lse[:, heads], o, part_lse, tables.out_scale)
-    if out is None or lse is None:  # no branch selects any query for any head
-        out = q.new_zeros(batch, num_heads, 1, dim)
-        lse = torch.full((batch, num_heads, 1), -math.inf, dtype=acc, device=q.device)
+            parts.append((heads, o, part_lse))
+    out, lse = _combine(parts, (batch, num_heads, 1, dim), tables.out_scale, acc, q.device)
     return out.to(q.dtype).transpose(1, 2), lse.transpose(1, 2)
+
+
+def _combine(parts, shape: tuple[int, int, int, int], out_scale: float, acc: torch.dtype, device):
+    """``(out, lse)`` ``(B, H, L, D)``, ``(B, H, L)`` of one softmax over the keys of every
+    part ``(heads, out, lse)`` (attention of the heads ``heads``, a slice, over some of
+    the keys), ``out`` times ``out_scale``; heads no part covers: 0 and ``-inf``. One
+    pass over all parts (a decode step's tensors are small: operations, not bytes, cost)."""
+    if len(parts) == 1 and parts[0][0].indices(shape[1]) == (0, shape[1], 1) and out_scale == 1.0:
+        return parts[0][1].to(acc), parts[0][2]
+    outs = torch.zeros((len(parts), *shape), dtype=acc, device=device)
+    lses = torch.full((len(parts), *shape[:3]), -math.inf, dtype=acc, device=device)
+    for i, (heads, o, lse) in enumerate(parts):
+        outs[i, :, heads] = o
+        lses[i, :, heads] = lse
+    lse = lses.logsumexp(0)
+    weights = (lses - lse).exp_().nan_to_num_(0.0)  # a head no part covers: -inf - -inf
+    out = (outs * weights.unsqueeze(-1)).sum(0)
+    return (out.mul_(out_scale) if out_scale != 1.0 else out), lse
 
 
 def attend_step(

@@ -101,8 +101,10 @@ def nonfinite_rows(*tensors: torch.Tensor) -> torch.Tensor | None:
     0), so the engine zeroes them and marks the rows they reach instead. A finite sum
     proves every value finite (NaN and infinities propagate), in one pass and a fifth
     of the time of the per-row check, which runs only when a sum is not finite."""
-    if _checks_are_free(tensors[0]) and all(bool(t.sum(dtype=accumulator(t.dtype)).isfinite()) for t in tensors):
-        return None
+    if _checks_are_free(tensors[0]):
+        acc = accumulator(tensors[0].dtype)
+        if all(math.isfinite((t.sum() if t.dtype == acc else t.sum(dtype=acc)).item()) for t in tensors):
+            return None
     flags = _nonfinite(tensors[0])
     for t in tensors[1:]:
         flags = flags | _nonfinite(t)

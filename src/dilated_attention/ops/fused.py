@@ -84,7 +84,7 @@ def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: str |
     """Whether a call on ``q`` runs the Triton kernels (see the module docstring); a
     ``ValueError`` for ``kernel="triton"`` where they cannot."""
     choice = requested(kernel)
-    if choice == "torch":
+    if choice == "torch" or (choice == "auto" and q.device.type != "cuda"):
         return False
     reason = why_not_triton(q, dropout, distributed)
     if choice == "triton":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
@@ -20,6 +21,8 @@ FLOAT_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+_FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES.values())
 
 # The largest position a key may have (positions are int64, with room to spare).
 MAX_POSITION = 2**62
@@ -45,6 +48,20 @@ def counted(number: int, noun: str) -> str:
 
 def check_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Validate the ``(w_i, r_i)`` lists and return them as tuples of ints."""
+    plain = (list, tuple)
+    if type(segment_lengths) in plain and type(dilation_rates) in plain:
+        both = (*segment_lengths, *dilation_rates)
+        if all(type(value) is int for value in both):  # as most calls give them: checked once
+            return _checked_int_branches(tuple(segment_lengths), tuple(dilation_rates))
+    return _check_branches(segment_lengths, dilation_rates)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_int_branches(segment_lengths: tuple[int, ...], dilation_rates: tuple[int, ...]):
+    return _check_branches(segment_lengths, dilation_rates)
+
+
+def _check_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tuple[int, ...]]:
     lists = {}
     for name, values in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
@@ -172,9 +189,9 @@ def check_qkv(q, k, v, layout: str = "bnhd") -> None:
             raise ValueError(f"{name} must have 4 dims {dims} (layout={layout!r}), got shape {tuple(t.shape)}")
         if t.layout != torch.strided:
             raise ValueError(f"{name} must be a dense tensor, got layout {t.layout}: use {name}.to_dense()")
-        if t.dtype not in FLOAT_DTYPES.values():
+        if t.dtype not in _FLOAT_DTYPE_SET:
             raise ValueError(f"{name} must be float64, float32, bfloat16 or float16, got {t.dtype}")
-        if min(int(size) for size in t.shape) < 1:
+        if 0 in t.shape:
             raise ValueError(f"{name} must have every dim >= 1, got shape {tuple(t.shape)} {dims}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}, got {tuple(v.shape)} {dims}")

@@ -11,7 +11,8 @@ Both are timed over the same span of positions from ``P``: ``min(steps, P)`` ste
 ``P >= steps = lcm(segment_lengths)`` (the long-run cost per token).
 
 - ``dilated``: :class:`DilatedKVCache` (its lean decode path), the mean over every
-  step of the span. It is started at the latest common segment boundary at most
+  step of the span, the median of three such rounds, each from a copy of one state.
+  It is started at the latest common segment boundary at most
   ``lcm(segment_lengths)`` before ``P`` (it never needs anything earlier, so its state
   is that of a cache fed from position 0); a padded batch is fed from its start (up
   to :data:`MAX_PADDED_POSITION`).
@@ -29,6 +30,8 @@ Times are per token (a step's time over the batch).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import math
 import statistics
@@ -60,6 +63,7 @@ class DecodeConfig:
     steps: int = 8192
     dense_steps: int = 16
     batch: int = 8  # the size of the two batched runs (the third is one sequence)
+    rounds: int = 3  # the dilated span is timed this many times, from copies of one state
 
 
 @dataclass
@@ -93,8 +97,9 @@ def padding_of(cfg: DecodeConfig, batch: int, position: int) -> list[int]:
 
 
 def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> DecodeRow:
-    """Mean time per token of ``cfg.steps`` steps of a :class:`DilatedKVCache` from
-    ``position`` on, its rows left-padded by ``pads``."""
+    """Time per token of a :class:`DilatedKVCache`'s steps from ``position`` on, its rows
+    left-padded by ``pads``: the mean over the span, the median of ``cfg.rounds``
+    rounds, each from a copy of the same state."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     cycle = math.lcm(*cfg.segment_lengths)
     # A left-padded batch is fed every position from its padding on (positive starts
@@ -121,11 +126,15 @@ def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> 
             history = history.to(device, dtype)
             cache.attend(history, history, history)
         _synchronize(device)
-        times = []
-        for i in range(span_of(cfg, position)):
-            token = tokens[i % len(tokens)]
-            times.append(_seconds(functools.partial(cache.attend, token, token, token), device))
-    return DecodeRow("dilated", _batch_name(pads), position, 1e3 * statistics.fmean(times) / batch, cache.nbytes)
+        means = []
+        for _ in range(cfg.rounds):
+            fed = copy.deepcopy(cache)
+            times = []
+            for i in range(span_of(cfg, position)):
+                token = tokens[i % len(tokens)]
+                times.append(_seconds(functools.partial(fed.attend, token, token, token), device))
+            means.append(statistics.fmean(times))
+    return DecodeRow("dilated", _batch_name(pads), position, 1e3 * statistics.median(means) / batch, fed.nbytes)
 
 
 def dense_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> DecodeRow:
@@ -256,6 +265,8 @@ def run(cfg: DecodeConfig, progress=print) -> DecodeResult:
     measures = [dilated_step_time, dense_step_time]
     if cfg.device == "cuda":
         measures += [functools.partial(graph_step_time, impl=impl) for impl in ("dilated-graph", "dense-graph")]
+    for measure in measures:  # the first steps of a process pay for its warm-up: not recorded
+        measure(dataclasses.replace(cfg, steps=64, rounds=1, dense_steps=4), min(cfg.positions), [0])
     for position in cfg.positions:
         padded = padding_of(cfg, cfg.batch, position)
         fed = any(padded) and position <= MAX_PADDED_POSITION  # a padded batch is fed from its start
@@ -282,8 +293,9 @@ def format_table(result: DecodeResult) -> str:
         ),
         (
             f"ms per token (a step's time over its batch) over the steps from the position on, min(position, "
-            f"{cfg.steps}) of them (at least 64): dilated their mean, dense the median of {cfg.dense_steps} spread "
-            "over them; padded: row b left-padded by b/(B-1) of an eighth of the position"
+            f"{cfg.steps}) of them (at least 64): dilated their mean (median of {cfg.rounds} rounds), dense the "
+            f"median of {cfg.dense_steps} spread over them; padded: row b left-padded by b/(B-1) of an eighth of "
+            "the position"
         ),
         "",
     ]
