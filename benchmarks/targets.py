@@ -59,6 +59,12 @@ def main() -> int:
     kernel = row(speed, "kernel", 32768)
     checks.append(("fused kernel alone: forward ratio (the ceiling)", kernel.fwd_ratio, "info", None))
     checks.append(("fused kernel alone: fwd+bwd ratio (the ceiling)", kernel.fwd_bwd_ratio, "info", None))
+    # The engine against the kernel directly: the two alternate, the median of the pairs' GFLOP/s ratios.
+    alongside = benchmark.BenchConfig(seq_lens=[32768], device=args.device, repeats=max(args.repeats, 7))
+    for impl in ("head_groups", "mixture"):
+        for backward, name in ((False, "forward"), (True, "fwd+bwd")):
+            fraction = benchmark.kernel_fraction(impl, 32768, alongside, backward)
+            checks.append((f"{impl} {name} GFLOP/s / the kernel's, alternating", fraction, ">=", 0.95))
     for impl, target in (("head_groups", 0.3), ("mixture", 0.6)):
         r = row(memory, impl, 131072)
         if r.fwd_peak_added_bytes is not None:

@@ -144,11 +144,14 @@ def test_left_padded_decoding_either_way_is_the_definition(cost, cfg, data):
         assert torch.all(out[row, :pad] == 0)
 
 
+@pytest.mark.parametrize("row_call", [-(10**12), 10**12], ids=["a-call-per-row", "rows-of-a-phase-together"])
 @given(configs(max_len=8), st.data())
-def test_rows_at_any_positions_share_branch_and_window_calls(cfg, data):
+def test_rows_at_any_positions_share_branch_and_window_calls(row_call, cfg, data):
     """One query per row, every row at its own position (a window at least the longest
-    segment long is valid anywhere): both ways against the reference, row by row."""
-    cfg = dict(cfg, is_causal=True, masked=False)
+    segment long is valid anywhere): both ways against the reference, row by row, the
+    branch-by-branch way with a call per row or with the rows of each phase together
+    (gathered where other rows lie between them)."""
+    cfg = dict(cfg, is_causal=True, masked=False, batch=data.draw(st.integers(1, 5)))
     inputs, attn = split_config(cfg)
     longest = max(cfg["segment_lengths"])
     inputs["seq_len"] = longest + data.draw(st.integers(0, 5))
@@ -158,7 +161,9 @@ def test_rows_at_any_positions_share_branch_and_window_calls(cfg, data):
     scale = attn["softmax_scale"] if attn["softmax_scale"] is not None else cfg["head_dim"] ** -0.5
     last = [s + inputs["seq_len"] - 1 for s in starts]
     window = decode.window_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), starts, tables, scale)
-    branch = decode.branch_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), last, tables, scale)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode, "ROW_CALL_COST", row_call)
+        branch = decode.branch_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), last, tables, scale)
     for row, start in enumerate(starts):
         ref, ref_lse = reference_dilated_attention(
             q[row : row + 1, -1:], k[row : row + 1], v[row : row + 1], key_offset=start, **attn

@@ -38,10 +38,13 @@ MAX_ROWS = 16
 # What the branch-by-branch path's extra calls and merges cost, in (key, head) pairs
 # of the window path (measured on 2-core x86 CPUs: about 60 us, at about 10 ns a pair).
 BRANCH_CALLS_COST = 8192
-# Rows at different positions: shared calls' pairs cost this many times more (a bias
-# per row, masks per call), and a row taken alone this much more (its whole step's
-# overhead); measured alike.
-DISTINCT_FACTOR = 3
+# What one more call of a single batch row costs in that path (about 20 us), and
+# what a call of a gathered subset of the rows costs beyond its pairs: its gather.
+ROW_CALL_COST = 2048
+# Rows at different positions: the window's pairs cost this many times more (a bias
+# per row to build and read, and the keys before a later row's segment start), and a
+# row taken alone this much more (its whole step's overhead); measured alike.
+DISTINCT_FACTOR = 1.25
 ROW_STEP_COST = 3 * BRANCH_CALLS_COST
 
 
@@ -62,17 +65,13 @@ class DecodeTables:
     def costs(self, positions: Sequence[int], num_heads: int) -> tuple[int, int]:
         """The cost of one query row per sequence at ``positions`` over one window and
         branch by branch, in (key, head) pairs read, a call counting
-        :data:`BRANCH_CALLS_COST` (each branch-by-branch call covers every row, with
-        its longest keys). Where the window costs at most one call, the branch-by-branch
-        cost is given as that one call: it can only be more, and the window wins either way."""
+        :data:`BRANCH_CALLS_COST` for the calls and merges of the branch-by-branch way
+        (:func:`branch_calls`). Where the window costs at most that, it is given as the
+        branch-by-branch cost: it can only be more, and the window wins either way."""
         window = len(positions) * num_heads * max(self.reach(p, p) for p in positions)
         if window <= BRANCH_CALLS_COST:
             return window, BRANCH_CALLS_COST
-        branches = 0
-        for _, _, chosen, _, groups in _phase_groups(self, positions):
-            for phase, members in groups.items():
-                branches += len(positions) * chosen[phase].bit_count() * max(members.values()) + BRANCH_CALLS_COST
-        return window, max(branches, BRANCH_CALLS_COST)
+        return window, BRANCH_CALLS_COST + sum(call.cost for call in branch_calls(self, positions))
 
     def reach(self, first: int, last: int) -> int:
         """How many keys queries at positions ``first .. last`` attend back over: from
@@ -207,10 +206,31 @@ def window_bias(
     last = tables.reused.get("filled")
     if last is not None and last[0] == key:
         return last[1]
-    bias = filled_bias(tables, firsts, rows, width, num_heads, device, dtype)
+    bias = _early_rows(tables, firsts, rows, width, num_heads, device, dtype)
+    if bias is None:
+        bias = filled_bias(tables, firsts, rows, width, num_heads, device, dtype)
     if bias[0].numel() <= MAX_REUSED_BIAS:
         tables.reused["filled"] = (key, bias)
     return bias
+
+
+def _early_rows(
+    tables: DecodeTables, firsts: Sequence[int], rows: int, width: int, num_heads: int, device, dtype
+) -> tuple[torch.Tensor, bool] | None:
+    """:func:`window_bias` of sequences all at early positions (a left-padded batch at
+    the start of its text): each one's table view (:meth:`DecodeTables.early_bias`)
+    copied into place, right-aligned (keys before its position 0: ``-inf``); ``None``
+    unless every sequence's queries are early."""
+    views = []
+    for first in firsts:
+        early = tables.early_bias(first, rows, dtype)
+        if early is None:
+            return None
+        views.append(early)
+    bias = torch.full((len(firsts), num_heads, rows, width), -math.inf, device=device, dtype=dtype)
+    for sequence, (view, _) in enumerate(views):
+        bias[sequence, :, :, width - view.shape[-1] :] = view[0]
+    return bias, any(empty for _, empty in views)
 
 
 def filled_bias(
@@ -300,6 +320,44 @@ def _phase_groups(tables: DecodeTables, positions: Sequence[int]):
         yield w, r, chosen, heads_by_phase, groups
 
 
+@dataclass(frozen=True)
+class BranchCall:
+    """One attention call of the branch-by-branch way: the heads ``heads`` (a slice) of
+    the batch rows ``rows`` (a slice, or the rows to gather) against every ``r``-th key
+    back from their queries, ``counts[i]`` keys for the ``i``-th row (the others,
+    before its segment's start, masked); ``heads_counted``: how many heads."""
+
+    r: int
+    heads: slice
+    heads_counted: int
+    rows: slice | tuple[int, ...]
+    counts: tuple[int, ...]
+
+    @property
+    def cost(self) -> int:
+        """(key, head) pairs read, its gather counted as a second read, and the call
+        itself beyond the first (:data:`ROW_CALL_COST`)."""
+        pairs = len(self.counts) * self.heads_counted * max(self.counts)
+        return (2 * pairs if isinstance(self.rows, tuple) else pairs) + ROW_CALL_COST
+
+
+def branch_calls(tables: DecodeTables, positions: Sequence[int]) -> list[BranchCall]:
+    """The calls of :func:`branch_attention` for one query row per sequence at
+    ``positions``: per branch and per phase some row's query has in its segment, one
+    call of the rows of that phase (a slice where they are every row, else gathered),
+    or one call per row where that reads fewer pairs than the longest row's keys for
+    every row (rows far apart in their segments) by more than the calls cost."""
+    batch, calls = len(positions), []
+    for _w, r, chosen, heads_by_phase, groups in _phase_groups(tables, positions):
+        for phase, members in groups.items():
+            heads, counted = heads_by_phase[phase], chosen[phase].bit_count()
+            rows = slice(0, batch) if len(members) == batch else tuple(members)
+            shared = [BranchCall(r, heads, counted, rows, tuple(members.values()))]
+            alone = [BranchCall(r, heads, counted, slice(row, row + 1), (count,)) for row, count in members.items()]
+            calls.extend(min(shared, alone, key=lambda option: sum(call.cost for call in option)))
+    return calls
+
+
 def branch_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int], tables: DecodeTables, scale: float
 ):
@@ -307,63 +365,62 @@ def branch_attention(
     sequence at ``positions`` (no padding mask), computed branch by branch: for each
     branch and each phase the rows' queries have in their segments, one attention call
     of the heads that count it against the branch's selected keys, every ``r``-th key
-    back from the query (a strided view, shared by every row of that phase: a row's
-    keys before its segment's start are masked), the calls merged by their
-    log-sum-exps. It reads only the keys each head attends to, where a window reads
-    every head's whole window: fewer bytes once windows are long, more calls. ``None``
-    where grouped-query heads map to key heads no view expresses (the window then
-    serves)."""
+    back from the query (a strided view; the rows of other phases left out, the rows of
+    that phase gathered where there are others; a row's keys before its segment's start
+    masked), the calls combined by their log-sum-exps. It reads only the keys each head
+    attends to, where a window reads every head's whole window: fewer bytes once
+    windows are long, more calls. ``None`` where grouped-query heads map to key heads
+    no view expresses (the window then serves)."""
     batch, _, num_heads, dim = q.shape
     groups_per_kv = num_heads // k.shape[1]
     queries, end = contiguous_last_dim(q).transpose(1, 2), k.shape[2]  # each query's own key is slot end - 1
     k, v = contiguous_last_dim(k), contiguous_last_dim(v)
     acc = accumulator(q.dtype)
-    parts: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
-    for _w, r, _chosen, heads_by_phase, groups in _phase_groups(tables, positions):
-        for phase, members in groups.items():
-            heads = heads_by_phase[phase]
-            kv, _, gathered = key_heads(heads.indices(num_heads), groups_per_kv)
-            if gathered is not None or kv is None:
-                return None
-            longest = max(members.values())
-            keys = slice(end - 1 - (longest - 1) * r, end, r)
-            mask = None
-            if len(members) < batch or min(members.values()) < longest:  # other rows' keys: masked
-                counts = torch.tensor([members.get(row, 0) for row in range(batch)], device=q.device)
-                columns = torch.arange(longest, device=q.device)
-                mask = torch.where(columns >= longest - counts[:, None], 0.0, -math.inf).to(acc)[:, None, None, :]
-            o, part_lse = _cpu_attention(
-                queries[:, heads],
-                k[:, slice(*kv), keys],
-                v[:, slice(*kv), keys],
-                0.0,
-                False,
-                attn_mask=mask,
-                scale=scale,
-            )
-            if mask is not None:  # the kernel gives rows with no key lse 0
-                part_lse = part_lse.masked_fill(torch.isneginf(mask[:, :, :, -1:]).view(batch, 1, 1), -math.inf)
-            parts.append((heads, o, part_lse))
+    parts: list[tuple[slice, slice | torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for call in branch_calls(tables, positions):
+        kv, _, gathered = key_heads(call.heads.indices(num_heads), groups_per_kv)
+        if gathered is not None or kv is None:
+            return None
+        longest = max(call.counts)
+        keys = slice(end - 1 - (longest - 1) * call.r, end, call.r)
+        rows: slice | torch.Tensor = call.rows if isinstance(call.rows, slice) else torch.tensor(call.rows)
+        qs, ks, vs = (
+            t[rows] if isinstance(rows, slice) else t.index_select(0, rows.to(q.device))
+            for t in (queries[:, call.heads], k[:, slice(*kv), keys], v[:, slice(*kv), keys])
+        )
+        mask = None
+        if min(call.counts) < longest:  # a row's keys before its segment's start
+            columns = torch.arange(longest, device=q.device)
+            first = longest - torch.tensor(call.counts, device=q.device)[:, None]
+            mask = torch.where(columns >= first, 0.0, -math.inf).to(acc)[:, None, None, :]
+        o, part_lse = _cpu_attention(qs, ks, vs, 0.0, False, attn_mask=mask, scale=scale)
+        parts.append((call.heads, rows, o, part_lse))
     out, lse = _combine(parts, (batch, num_heads, 1, dim), tables.out_scale, acc, q.device)
     return out.to(q.dtype).transpose(1, 2), lse.transpose(1, 2)
 
 
 def _combine(parts, shape: tuple[int, int, int, int], out_scale: float, acc: torch.dtype, device):
     """``(out, lse)`` ``(B, H, L, D)``, ``(B, H, L)`` of one softmax over the keys of every
-    part ``(heads, out, lse)`` (attention of the heads ``heads``, a slice, over some of
-    the keys), ``out`` times ``out_scale``; heads no part covers: 0 and ``-inf``. One
-    pass over all parts (a decode step's tensors are small: operations, not bytes, cost)."""
-    if len(parts) == 1 and parts[0][0].indices(shape[1]) == (0, shape[1], 1) and out_scale == 1.0:
-        return parts[0][1].to(acc), parts[0][2]
+    part ``(heads, rows, out, lse)`` (attention of the heads ``heads``, a slice, of the
+    batch rows ``rows`` (a slice or an index tensor) over some of the keys), ``out``
+    times ``out_scale``; what no part covers: 0 and ``-inf``. One pass over all parts (a
+    decode step's tensors are small: operations, not bytes, cost)."""
+    if len(parts) == 1 and out_scale == 1.0 and _covers(parts[0][0], shape[1]) and _covers(parts[0][1], shape[0]):
+        return parts[0][2].to(acc), parts[0][3]
     outs = torch.zeros((len(parts), *shape), dtype=acc, device=device)
     lses = torch.full((len(parts), *shape[:3]), -math.inf, dtype=acc, device=device)
-    for i, (heads, o, lse) in enumerate(parts):
-        outs[i, :, heads] = o
-        lses[i, :, heads] = lse
+    for i, (heads, rows, o, lse) in enumerate(parts):
+        outs[i, rows, heads] = o
+        lses[i, rows, heads] = lse
     lse = lses.logsumexp(0)
     weights = (lses - lse).exp_().nan_to_num_(0.0)  # a head no part covers: -inf - -inf
     out = (outs * weights.unsqueeze(-1)).sum(0)
     return (out.mul_(out_scale) if out_scale != 1.0 else out), lse
+
+
+def _covers(index: slice | torch.Tensor, size: int) -> bool:
+    """Whether ``index`` is the slice of all ``size`` places, in order."""
+    return isinstance(index, slice) and index.indices(size) == (0, size, 1)
 
 
 def attend_step(
@@ -386,8 +443,7 @@ def attend_step(
     positions = [p + k.shape[2] - 1 for p in key_positions]
     window, branches = tables.costs(positions, num_heads)
     if batch > 1 and len(set(positions)) > 1:
-        window *= DISTINCT_FACTOR  # one bias per row to build and read
-        branches *= DISTINCT_FACTOR  # a key mask per call, rows of other phases computed and dropped
+        window = int(window * DISTINCT_FACTOR)
         alone = sum(min(tables.costs([p], num_heads)) for p in positions) + ROW_STEP_COST * batch
         if alone < min(window, branches):
             parts = [

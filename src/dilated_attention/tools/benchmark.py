@@ -89,16 +89,55 @@ def time_against_matmul(fn: Callable[[], object], device: torch.device, dtype, r
     warm-up of each) and return the median seconds of ``fn`` and the median of
     ``(1 / t_fn) / (matmul GFLOP/s)`` pairs, so that drifts of the machine's speed
     between measurements cancel. Multiply that by ``fn``'s GFLOP to get the ratio."""
-    matmul = _matmul(device, dtype, size)
+    return time_against(fn, _matmul(device, dtype, size), 2 * size**3 / 1e9, device, repeats)
+
+
+def time_against(
+    fn: Callable[[], object], reference: Callable[[], object], reference_gflop: float, device, repeats: int
+) -> tuple[float, float]:
+    """:func:`time_against_matmul` with any ``reference`` call of ``reference_gflop``
+    GFLOP: the median seconds of ``fn`` and the median of ``(1 / t_fn) / (reference
+    GFLOP/s)`` over pairs run alternately."""
     _seconds(fn, device)
-    _seconds(matmul, device)
-    fn_times, per_matmul = [], []
+    _seconds(reference, device)
+    fn_times, per_reference = [], []
     for _ in range(repeats):
-        t_mm = _seconds(matmul, device)
+        t_ref = _seconds(reference, device)
         t_fn = _seconds(fn, device)
         fn_times.append(t_fn)
-        per_matmul.append((1.0 / t_fn) / (2 * size**3 / t_mm / 1e9))
-    return statistics.median(fn_times), statistics.median(per_matmul)
+        per_reference.append((1.0 / t_fn) / (reference_gflop / t_ref))
+    return statistics.median(fn_times), statistics.median(per_reference)
+
+
+def kernel_fraction(impl: str, seq_len: int, cfg: BenchConfig, backward: bool) -> float:
+    """GFLOP/s of the library's ``impl`` over the fused kernel's alone (``kernel``: the
+    first branch's work in one contiguous call), the two run alternately ``cfg.repeats``
+    times: the median of the pairs' ratios. With ``backward``: forward and backward
+    (the kernel's own backward; the library's through autograd)."""
+    device = torch.device(cfg.device)
+    (q, k, v, grad), fn, _, pairs = _workload(impl, seq_len, cfg)
+    (kq, kk, kv, kgrad), kernel, kernel_with_grad, kernel_pairs = _workload("kernel", seq_len, cfg)
+    if not backward:
+        with torch.no_grad():
+            _, per_kernel = time_against(
+                lambda: fn(q, k, v),
+                lambda: kernel(kq, kk, kv),
+                4 * cfg.head_dim * kernel_pairs / 1e9,
+                device,
+                cfg.repeats,
+            )
+        return 4 * cfg.head_dim * pairs / 1e9 * per_kernel
+    for t in (q, k, v):
+        t.requires_grad_()
+    assert kernel_with_grad is not None
+    _, per_kernel = time_against(
+        lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad),
+        lambda: kernel_with_grad(kq, kk, kv, kgrad),
+        3.5 * 4 * cfg.head_dim * kernel_pairs / 1e9,
+        device,
+        cfg.repeats,
+    )
+    return 3.5 * 4 * cfg.head_dim * pairs / 1e9 * per_kernel
 
 
 def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 4096, repeats: int = 5) -> float:
