@@ -294,7 +294,12 @@ def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):
         str(tmp_path),
     ]
     assert main(args) == 0
-    rows = json.loads((tmp_path / "decode-cpu-float32.json").read_text())["rows"]
+    written = json.loads((tmp_path / "decode-cpu-float32.json").read_text())
+    rows = written["rows"]
+    padded = written["padded_against_equal"]
+    assert [r["position"] for r in padded] == [64, 256]
+    assert all(r["ratio"] == pytest.approx(r["padded_ms"] / r["equal_ms"]) and r["equal_ms"] > 0 for r in padded)
+    assert "left-padded over B=8 at equal positions" in (tmp_path / "decode-cpu-float32.txt").read_text()
     assert [(r["impl"], r["batch"], r["position"]) for r in rows] == [
         (impl, batch, position)
         for position in (64, 256)

@@ -122,6 +122,31 @@ def test_reorder_follows_the_chosen_beams_and_reset_starts_over():
     assert max_relative_error(feed(cache, (q, k, v), [20]), ref) <= 1e-12
 
 
+@given(configs(max_len=24), st.data())
+def test_a_left_padded_batch_follows_its_beams(cfg, data):
+    """Sequences at different positions (kept inside in phase order) decode, are
+    reordered with repeats and keep decoding: each row is its beam's history, by the
+    reference, and positions are reported in the caller's order."""
+    cfg = dict(cfg, is_causal=True, masked=False, batch=data.draw(st.integers(2, 5)), seq_len=max(cfg["seq_len"], 6))
+    inputs, attn = split_config(cfg)
+    q, k, v = (t.detach() for t in random_inputs(**inputs)[0])
+    batch, total = cfg["batch"], cfg["seq_len"]
+    pads = [data.draw(st.integers(0, total // 2 - 1)) for _ in range(batch)]
+    cut = data.draw(st.integers(max(pads) + 1, total - 1))
+    cache = make_cache(cfg, (q, k, v), start=torch.tensor([-p for p in pads]))
+    first = feed(cache, (q[:, :cut], k[:, :cut], v[:, :cut]), [1] * cut)
+    beams = torch.tensor([data.draw(st.integers(0, batch - 1)) for _ in range(batch)])
+    cache.reorder(beams)
+    assert cache.position.tolist() == [cut - pads[b] for b in beams.tolist()]
+    rest = feed(cache, (q[:, cut:], k[:, cut:], v[:, cut:]), [1] * (total - cut))
+    for row, beam in enumerate(beams.tolist()):
+        history = [torch.cat([t[beam : beam + 1, pads[beam] : cut], t[row : row + 1, cut:]], 1) for t in (q, k, v)]
+        ref, _ = reference_dilated_attention(*history, **attn)
+        assert max_relative_error(rest[row : row + 1], ref[:, cut - pads[beam] :]) <= 1e-10
+        solo, _ = reference_dilated_attention(*(t[row : row + 1, pads[row] : cut] for t in (q, k, v)), **attn)
+        assert max_relative_error(first[row : row + 1, pads[row] :], solo) <= 1e-10
+
+
 def test_gradients_reach_the_queries_and_the_new_keys():
     segs, rates = [4, 8], [1, 2]
     (q, k, v), _, _ = random_inputs(2, 1, 12, 2, 3)

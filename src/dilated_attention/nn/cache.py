@@ -100,6 +100,16 @@ def _moved(t: torch.Tensor, capacity: int, kept: slice, dim: int) -> torch.Tenso
     return fresh
 
 
+def _phase_order(positions: Sequence[int], dilation_rates: Sequence[int]) -> list[int]:
+    """The order a cache keeps sequences at ``positions`` in: by their positions modulo
+    each rate, the smallest rate first (a stable sort). All sequences advance together,
+    so the sequences whose queries share a phase of a branch (with ``w`` a multiple of
+    ``r``, the same position modulo ``r``) stay neighbours, and a decode step of a
+    left-padded batch reads each phase's rows as one slice (:func:`dilated_attention.ops.decode.branch_calls`)."""
+    moduli = sorted(set(dilation_rates))
+    return sorted(range(len(positions)), key=lambda s: [positions[s] % r for r in moduli])
+
+
 def _needed_from(position: int, segment_lengths: Sequence[int]) -> int:
     """The earliest position a query at ``position`` or later may attend to (a query at
     a negative position, i.e. left padding, attends to nothing)."""
@@ -169,8 +179,10 @@ class DilatedKVCache(CacheSettings):
     def reset(self, start: int | torch.Tensor = 0) -> None:
         """Forget every position (and free the buffers); the sequences start anew at ``start``."""
         starts = self._starts(start)
-        self._position = list(starts)
-        self._stored_from = list(starts)  # earliest position kept, per sequence
+        # Inside, sequences are kept in phase order (see _phase_order): row i holds sequence order[i].
+        order = self._set_order(starts)
+        self._position = [starts[s] for s in order]
+        self._stored_from = list(self._position)  # earliest position kept, per row
         # Key-head-major, (B, H, slots, D): a decode step's window is contiguous per head.
         batch, heads, dim = len(starts), *self.shape[1:]
         self._k = self._v = torch.empty(batch, heads, 0, dim, dtype=self.dtype, device=self.device)
@@ -182,11 +194,24 @@ class DilatedKVCache(CacheSettings):
     def _starts(self, start) -> list[int]:
         return check_starts(start, self.shape[0], self.segment_lengths)
 
+    def _set_order(self, positions: list[int]) -> list[int]:
+        """Keep sequences at ``positions`` (in the caller's order) in phase order from
+        now on; return it (row ``i`` holds sequence ``order[i]``)."""
+        order = _phase_order(positions, self.dilation_rates)
+        self._order = order
+        identity = order == list(range(len(order)))
+        self._rows = None if identity else torch.tensor(order, device=self.device)
+        self._sequences = None if identity else torch.tensor(order).argsort().to(self.device)
+        return order
+
     @property
     def position(self) -> torch.Tensor:
         """``(B,)`` int64: the position of each sequence's next token (its start plus
         the tokens fed so far)."""
-        return torch.tensor(self._position, dtype=torch.int64)
+        by_sequence = [0] * len(self._order)
+        for row, sequence in enumerate(self._order):
+            by_sequence[sequence] = self._position[row]
+        return torch.tensor(by_sequence, dtype=torch.int64)
 
     @property
     def cached_positions(self) -> int:
@@ -215,11 +240,17 @@ class DilatedKVCache(CacheSettings):
         rows = indices.tolist()
         if not rows or not 0 <= min(rows) <= max(rows) < self.shape[0]:
             raise ValueError(f"indices must be at least one sequence index in [0, {self.shape[0]}), got {rows}")
-        index = indices.to(self.device)
+        row_of = [0] * len(self._order)  # each sequence's row now
+        for row, sequence in enumerate(self._order):
+            row_of[sequence] = row
+        sources = [row_of[sequence] for sequence in rows]  # the row each kept sequence comes from
+        order = self._set_order([self._position[source] for source in sources])
+        sources = [sources[kept] for kept in order]
+        index = torch.tensor(sources, device=self.device)
         self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
         self._bad = None if self._bad is None else self._bad.index_select(0, index)
-        self._position = [self._position[i] for i in rows]
-        self._stored_from = [self._stored_from[i] for i in rows]
+        self._position = [self._position[source] for source in sources]
+        self._stored_from = [self._stored_from[source] for source in sources]
         self.shape = (len(rows), *self.shape[1:])
 
     def _append(self, k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None) -> int:
@@ -256,6 +287,8 @@ class DilatedKVCache(CacheSettings):
         validation.refuse_torch_func()
         if not self._well_formed(q, k, v):
             self._check_inputs(q, k, v)  # raises, saying what is wrong
+        if self._rows is not None:  # into the rows' order
+            q, k, v = (t.index_select(0, self._rows) for t in (q, k, v))
         buffers = (self._k, self._v, self._bad, self._end)
         try:
             if self._takes_window(q, k, v):
@@ -265,6 +298,8 @@ class DilatedKVCache(CacheSettings):
         except BaseException:  # an error or an interrupt: undo the append, so that a retry is exact
             self._k, self._v, self._bad, self._end = buffers
             raise
+        if self._sequences is not None:  # back into the sequences' order
+            out = out.index_select(0, self._sequences)
         length = q.shape[1]
         self._position = [position + length for position in self._position]
         self._stored_from = [

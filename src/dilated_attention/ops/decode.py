@@ -344,14 +344,15 @@ class BranchCall:
 def branch_calls(tables: DecodeTables, positions: Sequence[int]) -> list[BranchCall]:
     """The calls of :func:`branch_attention` for one query row per sequence at
     ``positions``: per branch and per phase some row's query has in its segment, one
-    call of the rows of that phase (a slice where they are every row, else gathered),
+    call of the rows of that phase (a slice where they are neighbours, else gathered),
     or one call per row where that reads fewer pairs than the longest row's keys for
     every row (rows far apart in their segments) by more than the calls cost."""
-    batch, calls = len(positions), []
+    calls = []
     for _w, r, chosen, heads_by_phase, groups in _phase_groups(tables, positions):
         for phase, members in groups.items():
             heads, counted = heads_by_phase[phase], chosen[phase].bit_count()
-            rows = slice(0, batch) if len(members) == batch else tuple(members)
+            first, last = min(members), max(members)
+            rows = slice(first, last + 1) if last - first + 1 == len(members) else tuple(members)
             shared = [BranchCall(r, heads, counted, rows, tuple(members.values()))]
             alone = [BranchCall(r, heads, counted, slice(row, row + 1), (count,)) for row, count in members.items()]
             calls.extend(min(shared, alone, key=lambda option: sum(call.cost for call in option)))

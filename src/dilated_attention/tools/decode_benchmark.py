@@ -81,6 +81,7 @@ class DecodeResult:
     config: DecodeConfig
     machine: dict
     rows: list[DecodeRow] = field(default_factory=list)
+    padded: list[dict] = field(default_factory=list)  # padded_against_equal, per position
 
 
 def _tokens(cfg: DecodeConfig, batch: int, count: int, generator: torch.Generator) -> list[torch.Tensor]:
@@ -96,10 +97,9 @@ def padding_of(cfg: DecodeConfig, batch: int, position: int) -> list[int]:
     return [row * (position // 8) // max(batch - 1, 1) for row in range(batch)]
 
 
-def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> DecodeRow:
-    """Time per token of a :class:`DilatedKVCache`'s steps from ``position`` on, its rows
-    left-padded by ``pads``: the mean over the span, the median of ``cfg.rounds``
-    rounds, each from a copy of the same state."""
+def _fed_cache(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> tuple[DilatedKVCache, list[torch.Tensor]]:
+    """A :class:`DilatedKVCache` of ``len(pads)`` sequences at ``position`` (row ``b``
+    left-padded by ``pads[b]``) and the tokens its steps take."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     cycle = math.lcm(*cfg.segment_lengths)
     # A left-padded batch is fed every position from its padding on (positive starts
@@ -125,8 +125,17 @@ def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> 
             history = torch.randn(batch, min(chunk, position - at), cfg.heads, cfg.head_dim, generator=generator)
             history = history.to(device, dtype)
             cache.attend(history, history, history)
-        _synchronize(device)
-        means = []
+    _synchronize(device)
+    return cache, tokens
+
+
+def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> DecodeRow:
+    """Time per token of a :class:`DilatedKVCache`'s steps from ``position`` on, its rows
+    left-padded by ``pads``: the mean over the span, the median of ``cfg.rounds``
+    rounds, each from a copy of the same state."""
+    cache, tokens = _fed_cache(cfg, position, pads)
+    device, means = torch.device(cfg.device), []
+    with torch.inference_mode():
         for _ in range(cfg.rounds):
             fed = copy.deepcopy(cache)
             times = []
@@ -134,7 +143,22 @@ def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> 
                 token = tokens[i % len(tokens)]
                 times.append(_seconds(functools.partial(fed.attend, token, token, token), device))
             means.append(statistics.fmean(times))
-    return DecodeRow("dilated", _batch_name(pads), position, 1e3 * statistics.median(means) / batch, fed.nbytes)
+    return DecodeRow("dilated", _batch_name(pads), position, 1e3 * statistics.median(means) / len(pads), cache.nbytes)
+
+
+def padded_against_equal(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> dict:
+    """The left-padded batch's time per token over the equal batch's, their steps
+    alternating over the span (a slow spell of the machine touches both alike)."""
+    caches = [_fed_cache(cfg, position, pads), _fed_cache(cfg, position, [0] * len(pads))]
+    device, totals = torch.device(cfg.device), [0.0, 0.0]
+    with torch.inference_mode():
+        for i in range(span_of(cfg, position)):
+            for which, (cache, tokens) in enumerate(caches):
+                token = tokens[i % len(tokens)]
+                totals[which] += _seconds(functools.partial(cache.attend, token, token, token), device)
+    steps = span_of(cfg, position) * len(pads)
+    padded, equal = (1e3 * total / steps for total in totals)
+    return {"position": position, "padded_ms": padded, "equal_ms": equal, "ratio": padded / equal}
 
 
 def dense_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> DecodeRow:
@@ -279,6 +303,9 @@ def run(cfg: DecodeConfig, progress=print) -> DecodeResult:
                     f"{row.impl:13} B={row.batch:9} position {row.position:>9,}: {shown} ms/token, "
                     f"cache {row.cache_bytes / 2**20:10.1f} MiB {row.note}"
                 )
+        if fed:
+            result.padded.append(padded_against_equal(cfg, position, padded))
+            progress(f"padded / equal, alternating, position {position:>9,}: {result.padded[-1]['ratio']:.2f}")
     return result
 
 
@@ -318,11 +345,28 @@ def format_table(result: DecodeResult) -> str:
     memory = sorted({(r.impl, r.position, r.cache_bytes) for r in result.rows if r.batch == "1"})
     lines += ["", "dense backends: " + "; ".join(backends) if backends else ""]
     lines += ["cache MiB at B=1: " + ", ".join(f"{i} {p:,}: {b / 2**20:.1f}" for i, p, b in memory)]
+    if result.padded:
+        lines += [
+            "",
+            f"dilated, B={cfg.batch} left-padded over B={cfg.batch} at equal positions, their steps alternating:",
+        ]
+        lines += [
+            f"{'position':>10} {'padded ms':>10} {'equal ms':>10} {'ratio':>6}",
+            *(
+                f"{r['position']:>10,} {r['padded_ms']:>10.4f} {r['equal_ms']:>10.4f} {r['ratio']:>6.2f}"
+                for r in result.padded
+            ),
+        ]
     return "\n".join(lines)
 
 
 def to_json(result: DecodeResult) -> dict:
-    return {"config": asdict(result.config), "machine": result.machine, "rows": [asdict(r) for r in result.rows]}
+    return {
+        "config": asdict(result.config),
+        "machine": result.machine,
+        "rows": [asdict(r) for r in result.rows],
+        "padded_against_equal": result.padded,
+    }
 
 
 def plot(result: DecodeResult, path: str) -> None:
