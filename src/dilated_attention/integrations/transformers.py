@@ -183,9 +183,11 @@ class DilatedCache(Cache):
     """A ``transformers`` cache for a model running a registered dilated attention:
     every layer keeps only the last ``max(segment_lengths) - 1`` positions (a query
     never attends further back), so generation memory stays constant however long
-    the text grows. Pass it as ``past_key_values=`` to ``generate`` or to the model's
-    forward (every supported ``transformers`` version takes that name; 5.24 renamed it
-    ``cache=`` and still takes the old one, with a ``FutureWarning``).
+    the text grows; a decode step's keys and values are written in place (buffers of
+    at most 1.5 times the kept positions), not concatenated. Pass it as
+    ``past_key_values=`` to ``generate`` or to the model's forward (every supported
+    ``transformers`` version takes that name; 5.24 renamed it ``cache=`` and still
+    takes the old one, with a ``FutureWarning``).
 
     A cache belongs to the model it is built for, and refuses updates once that model
     runs another attention implementation.
