@@ -66,12 +66,16 @@ class DecodeTables:
         """The cost of one query row per sequence at ``positions`` over one window and
         branch by branch, in (key, head) pairs read, a call counting
         :data:`BRANCH_CALLS_COST` for the calls and merges of the branch-by-branch way
-        (:func:`branch_calls`). Where the window costs at most that, it is given as the
-        branch-by-branch cost: it can only be more, and the window wins either way."""
+        (:func:`branch_calls`). The latter is summed only until it reaches the window's:
+        the window wins from there, whatever the rest costs."""
         window = len(positions) * num_heads * max(self.reach(p, p) for p in positions)
-        if window <= BRANCH_CALLS_COST:
-            return window, BRANCH_CALLS_COST
-        return window, BRANCH_CALLS_COST + sum(call.cost for call in branch_calls(self, positions))
+        branches = BRANCH_CALLS_COST
+        for _, _, chosen, _, groups in _phase_groups(self, positions):
+            for phase, members in groups.items():
+                if branches >= window:  # the window wins whatever the rest costs
+                    return window, branches
+                branches += _grouping(members, chosen[phase].bit_count())[0]
+        return window, branches
 
     def reach(self, first: int, last: int) -> int:
         """How many keys queries at positions ``first .. last`` attend back over: from
@@ -325,20 +329,26 @@ class BranchCall:
     """One attention call of the branch-by-branch way: the heads ``heads`` (a slice) of
     the batch rows ``rows`` (a slice, or the rows to gather) against every ``r``-th key
     back from their queries, ``counts[i]`` keys for the ``i``-th row (the others,
-    before its segment's start, masked); ``heads_counted``: how many heads."""
+    before its segment's start, masked)."""
 
     r: int
     heads: slice
-    heads_counted: int
     rows: slice | tuple[int, ...]
     counts: tuple[int, ...]
 
-    @property
-    def cost(self) -> int:
-        """(key, head) pairs read, its gather counted as a second read, and the call
-        itself beyond the first (:data:`ROW_CALL_COST`)."""
-        pairs = len(self.counts) * self.heads_counted * max(self.counts)
-        return (2 * pairs if isinstance(self.rows, tuple) else pairs) + ROW_CALL_COST
+
+def _grouping(members: dict[int, int], heads_counted: int) -> tuple[int, slice | tuple[int, ...] | None]:
+    """``(cost, rows)`` of the cheaper way to call the rows ``members`` (row -> its
+    keys) of one branch and phase for ``heads_counted`` heads, in (key, head) pairs
+    read: one call of them all (``rows`` a slice where they are neighbours, else the
+    rows to gather, a gather counting as a second read), or a call per row (``rows``
+    ``None``), each call beyond the first counting :data:`ROW_CALL_COST`."""
+    first, last = min(members), max(members)
+    rows = slice(first, last + 1) if last - first + 1 == len(members) else tuple(members)
+    reads = 1 if isinstance(rows, slice) else 2
+    shared = reads * len(members) * heads_counted * max(members.values())
+    alone = heads_counted * sum(members.values()) + (len(members) - 1) * ROW_CALL_COST
+    return (shared, rows) if shared <= alone else (alone, None)
 
 
 def branch_calls(tables: DecodeTables, positions: Sequence[int]) -> list[BranchCall]:
@@ -346,16 +356,17 @@ def branch_calls(tables: DecodeTables, positions: Sequence[int]) -> list[BranchC
     ``positions``: per branch and per phase some row's query has in its segment, one
     call of the rows of that phase (a slice where they are neighbours, else gathered),
     or one call per row where that reads fewer pairs than the longest row's keys for
-    every row (rows far apart in their segments) by more than the calls cost."""
-    calls = []
+    every row (rows far apart in their segments) by more than the calls cost
+    (:func:`_grouping`)."""
+    calls: list[BranchCall] = []
     for _w, r, chosen, heads_by_phase, groups in _phase_groups(tables, positions):
         for phase, members in groups.items():
-            heads, counted = heads_by_phase[phase], chosen[phase].bit_count()
-            first, last = min(members), max(members)
-            rows = slice(first, last + 1) if last - first + 1 == len(members) else tuple(members)
-            shared = [BranchCall(r, heads, counted, rows, tuple(members.values()))]
-            alone = [BranchCall(r, heads, counted, slice(row, row + 1), (count,)) for row, count in members.items()]
-            calls.extend(min(shared, alone, key=lambda option: sum(call.cost for call in option)))
+            heads = heads_by_phase[phase]
+            _, rows = _grouping(members, chosen[phase].bit_count())
+            if rows is None:
+                calls.extend(BranchCall(r, heads, slice(row, row + 1), (count,)) for row, count in members.items())
+            else:
+                calls.append(BranchCall(r, heads, rows, tuple(members.values())))
     return calls
 
 

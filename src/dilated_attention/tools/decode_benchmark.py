@@ -143,7 +143,7 @@ def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> 
                 token = tokens[i % len(tokens)]
                 times.append(_seconds(functools.partial(fed.attend, token, token, token), device))
             means.append(statistics.fmean(times))
-    return DecodeRow("dilated", _batch_name(pads), position, 1e3 * statistics.median(means) / len(pads), cache.nbytes)
+    return DecodeRow("dilated", _batch_name(pads), position, 1e3 * statistics.median(means) / len(pads), fed.nbytes)
 
 
 def padded_against_equal(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> dict:
