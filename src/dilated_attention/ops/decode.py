@@ -62,13 +62,14 @@ class DecodeTables:
     # per branch (in the order above) and phase: the heads that count it, as a slice
     query_heads: tuple[tuple[slice | None, ...], ...]
 
-    def costs(self, positions: Sequence[int], num_heads: int) -> tuple[int, int]:
+    def costs(self, positions: Sequence[int], num_heads: int, window_factor: float = 1.0) -> tuple[int, int]:
         """The cost of one query row per sequence at ``positions`` over one window and
         branch by branch, in (key, head) pairs read, a call counting
         :data:`BRANCH_CALLS_COST` for the calls and merges of the branch-by-branch way
-        (:func:`branch_calls`). The latter is summed only until it reaches the window's:
-        the window wins from there, whatever the rest costs."""
-        window = len(positions) * num_heads * max(self.reach(p, p) for p in positions)
+        (:func:`branch_calls`); the window's pairs count ``window_factor`` each. The
+        latter is summed only until it reaches the window's: the window wins from
+        there, whatever the rest costs."""
+        window = int(window_factor * len(positions) * num_heads * max(self.reach(p, p) for p in positions))
         branches = BRANCH_CALLS_COST
         for _, _, chosen, _, groups in _phase_groups(self, positions):
             for phase, members in groups.items():
@@ -453,9 +454,9 @@ def attend_step(
     if rows > 1 or padding is not None:
         return window_attention(q, k, v, key_positions, tables, scale, padding)
     positions = [p + k.shape[2] - 1 for p in key_positions]
-    window, branches = tables.costs(positions, num_heads)
-    if batch > 1 and len(set(positions)) > 1:
-        window = int(window * DISTINCT_FACTOR)
+    distinct = batch > 1 and len(set(positions)) > 1  # a bias per row
+    window, branches = tables.costs(positions, num_heads, DISTINCT_FACTOR if distinct else 1.0)
+    if distinct:
         alone = sum(min(tables.costs([p], num_heads)) for p in positions) + ROW_STEP_COST * batch
         if alone < min(window, branches):
             parts = [
