@@ -208,6 +208,21 @@ def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_n
 
 
 @torch.no_grad()
+def test_beam_search_with_the_bounded_cache_picks_the_default_caches_beams():
+    """Beam search reorders every layer between the steps DilatedCache appends in
+    place: the sequences are those of transformers' default cache, left padding too."""
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    tokens = torch.randint(0, 61, (2, 11))
+    options = dict(
+        attention_mask=left_padded(tokens, [11, 5]), max_new_tokens=20, num_beams=3, do_sample=False, pad_token_id=0
+    )
+    default = model.generate(tokens, **options)
+    bounded = model.generate(tokens, **options, past_key_values=DilatedCache(model))
+    assert torch.equal(default, bounded)
+
+
+@torch.no_grad()
 def test_the_bounded_cache_fed_in_chunks_gives_the_full_forward():
     model = tiny("llama")
     model.set_attn_implementation("dilated")
@@ -598,7 +613,7 @@ def test_the_bounded_cache_appends_in_place_as_transformers_concatenates(data):
     """A DilatedCache layer writes short chunks into buffers with room to spare: it
     returns what transformers' sliding-window layer returns, chunk after chunk, with beam
     reorders, batch selections, crops and resets in between; what it returned earlier
-    never changes; and its buffers stay within half as many slots again as they hold."""
+    never changes; and its buffers stay within half as many slots again as a call returns."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     from dilated_attention.integrations.transformers import _WindowLayer
@@ -634,6 +649,7 @@ def test_the_bounded_cache_appends_in_place_as_transformers_concatenates(data):
         returned.append((got[0], got[0].clone()))
         row_bytes = batch * 2 * 3 * 8  # one position of keys: batch x heads x head_dim x float64
         slots = ours.keys.untyped_storage().nbytes() // row_bytes
-        assert slots <= max(got[0].shape[2] * 3 // 2 + 1, 2 * ours.keys.shape[2])
+        # in place: half as many again as a call returns, a call of at most window // 2 - 1 new
+        assert slots <= max((window - 1 + window // 2 - 1) * 3 // 2 + 1, 2 * ours.keys.shape[2])
     for tensor, snapshot in returned:
         assert torch.equal(tensor, snapshot)

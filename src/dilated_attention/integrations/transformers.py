@@ -110,8 +110,8 @@ def register(
 class _WindowLayer(DynamicSlidingWindowLayer):
     """``transformers``' sliding-window cache layer, which appends a few positions (a
     decode step) in place, in buffers with room to spare (half as many slots again as
-    they hold, so that moving the kept positions to new buffers costs ``O(1)`` per
-    position), where ``transformers`` concatenates the whole window every step; whose
+    the call returns, so that moving the kept positions to new buffers costs ``O(1)``
+    per position), where ``transformers`` concatenates the whole window every step; whose
     kept window never holds on to the memory of a long chunk it was cut from; and which
     knows whether its window holds a NaN or an infinity: each chunk is checked once as
     it arrives, so a step need not scan the whole window again."""
@@ -184,7 +184,7 @@ class DilatedCache(Cache):
     every layer keeps only the last ``max(segment_lengths) - 1`` positions (a query
     never attends further back), so generation memory stays constant however long
     the text grows; a decode step's keys and values are written in place (buffers of
-    at most 1.5 times the kept positions), not concatenated. Pass it as
+    1.5 times what a call returns), not concatenated. Pass it as
     ``past_key_values=`` to ``generate`` or to the model's forward (every supported
     ``transformers`` version takes that name; 5.24 renamed it ``cache=`` and still
     takes the old one, with a ``FutureWarning``).
