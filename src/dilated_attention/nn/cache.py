@@ -198,20 +198,19 @@ class DilatedKVCache(CacheSettings):
         """Keep sequences at ``positions`` (in the caller's order) in phase order from
         now on; return it (row ``i`` holds sequence ``order[i]``)."""
         order = _phase_order(positions, self.dilation_rates)
-        self._order = order
+        self._row_of = [0] * len(order)  # each sequence's row
+        for row, sequence in enumerate(order):
+            self._row_of[sequence] = row
         identity = order == list(range(len(order)))
         self._rows = None if identity else torch.tensor(order, device=self.device)
-        self._sequences = None if identity else torch.tensor(order).argsort().to(self.device)
+        self._sequences = None if identity else torch.tensor(self._row_of, device=self.device)
         return order
 
     @property
     def position(self) -> torch.Tensor:
         """``(B,)`` int64: the position of each sequence's next token (its start plus
         the tokens fed so far)."""
-        by_sequence = [0] * len(self._order)
-        for row, sequence in enumerate(self._order):
-            by_sequence[sequence] = self._position[row]
-        return torch.tensor(by_sequence, dtype=torch.int64)
+        return torch.tensor([self._position[row] for row in self._row_of], dtype=torch.int64)
 
     @property
     def cached_positions(self) -> int:
@@ -240,10 +239,7 @@ class DilatedKVCache(CacheSettings):
         rows = indices.tolist()
         if not rows or not 0 <= min(rows) <= max(rows) < self.shape[0]:
             raise ValueError(f"indices must be at least one sequence index in [0, {self.shape[0]}), got {rows}")
-        row_of = [0] * len(self._order)  # each sequence's row now
-        for row, sequence in enumerate(self._order):
-            row_of[sequence] = row
-        sources = [row_of[sequence] for sequence in rows]  # the row each kept sequence comes from
+        sources = [self._row_of[sequence] for sequence in rows]  # the row each kept sequence comes from
         order = self._set_order([self._position[source] for source in sources])
         sources = [sources[kept] for kept in order]
         index = torch.tensor(sources, device=self.device)

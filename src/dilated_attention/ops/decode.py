@@ -396,9 +396,9 @@ def branch_attention(
             return None
         longest = max(call.counts)
         keys = slice(end - 1 - (longest - 1) * call.r, end, call.r)
-        rows: slice | torch.Tensor = call.rows if isinstance(call.rows, slice) else torch.tensor(call.rows)
+        rows = call.rows if isinstance(call.rows, slice) else torch.tensor(call.rows, device=q.device)
         qs, ks, vs = (
-            t[rows] if isinstance(rows, slice) else t.index_select(0, rows.to(q.device))
+            t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
             for t in (queries[:, call.heads], k[:, slice(*kv), keys], v[:, slice(*kv), keys])
         )
         mask = None
