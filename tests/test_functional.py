@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import dilated_attention, reference_dilated_attention
+from dilated_attention.ops import kernels
 from dilated_attention.ops.kernels import MathKernel
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
 from helpers import LargestTensor, call_budget, configs, forced_kernel, poison, random_inputs, split_config
@@ -53,6 +54,44 @@ def test_low_precision_within_tolerance(cfg, dtype):
 def test_blocks_cut_into_many_calls_match_reference(cfg, elements):
     with call_budget(elements):
         compare_with_reference(cfg)
+
+
+@given(configs(grouped_query=True))
+def test_packed_keys_match_reference(cfg):
+    """The CPU kernel packs strided keys and values for long queries: here for all but
+    the shortest, so that the hypothesis configurations reach it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "CPU_QUERY_BLOCK", 2)
+        compare_with_reference(cfg)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cpu_kernel_packs_strided_keys_of_long_queries(monkeypatch, is_causal):
+    """Dilated ``(B, L, H, D)`` views of 300 query rows (more than one of the CPU kernel's
+    query blocks): the op receives packed keys and values, and the results are the
+    unfused kernel's, forward and backward, with a key padding bias."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, out_grad = (torch.randn(2, 600, 3, 16, dtype=torch.float64, generator=gen) for _ in range(4))
+    q, k, v, out_grad = (t[:, 1::2].transpose(1, 2) for t in (q, k, v, out_grad))  # (2, 3, 300, 16), strided
+    bias = torch.zeros(2, 1, 1, 300, dtype=torch.float64).masked_fill_(
+        torch.rand(2, 1, 1, 300, generator=gen) < 0.2, -math.inf
+    )
+    bias[..., 0] = 0.0  # every causal row keeps a key
+    received = []
+    op = kernels._aten._scaled_dot_product_flash_attention_for_cpu
+
+    def spy(q, k, v, *args, **kwargs):
+        received.append((k.is_contiguous(), v.is_contiguous()))
+        return op(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(kernels._aten, "_scaled_dot_product_flash_attention_for_cpu", spy)
+    out, lse = kernels.CpuFlashKernel.forward(q, k, v, bias, is_causal, 0.3)
+    grads = kernels.CpuFlashKernel.backward(out_grad, q, k, v, out, lse, bias, is_causal, 0.3)
+    ref_out, ref_lse = MathKernel.forward(q, k, v, bias, is_causal, 0.3)
+    ref_grads = MathKernel.backward(out_grad, q, k, v, ref_out, ref_lse, bias, is_causal, 0.3)
+    assert received == [(True, True)] and not k.is_contiguous()
+    assert max_relative_error(out, ref_out) <= 1e-12 and max_relative_error(lse, ref_lse) <= 1e-12
+    assert max_relative_error(grads, ref_grads) <= 1e-12
 
 
 @given(configs(max_len=32, max_heads=4, grouped_query=True))

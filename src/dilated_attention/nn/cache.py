@@ -16,7 +16,7 @@ import torch
 
 from .. import functional
 from ..ops import decode, fused, validation
-from ..ops.engine import nonfinite_rows
+from ..ops.engine import all_finite, nonfinite_rows
 from ..ops.plan import window_start_needed
 
 
@@ -270,8 +270,13 @@ class DilatedKVCache(CacheSettings):
             self._bad = None if self._bad is None else _moved(self._bad, capacity, kept_slots, dim=1)
             self._end = kept
         first = self._end
-        self._k.narrow(2, first, length).copy_((k.detach() if k.requires_grad else k).transpose(1, 2))
-        self._v.narrow(2, first, length).copy_((v.detach() if v.requires_grad else v).transpose(1, 2))
+        k, v = (k.detach() if k.requires_grad else k), (v.detach() if v.requires_grad else v)
+        if length == 1:  # a decode step: its one row's slot (fewer view operations)
+            self._k.select(2, first).copy_(k.select(1, 0))
+            self._v.select(2, first).copy_(v.select(1, 0))
+        else:
+            self._k.narrow(2, first, length).copy_(k.transpose(1, 2))
+            self._v.narrow(2, first, length).copy_(v.transpose(1, 2))
         if self._bad is not None:
             self._bad[:, first : first + length] = False if flags is None else flags
         self._end = first + length
@@ -351,7 +356,7 @@ class DilatedKVCache(CacheSettings):
             return False
         if torch.compiler.is_compiling() or fused.requested(None) == "triton":
             return False
-        return nonfinite_rows(q, k, v) is None
+        return all_finite(q, k, v)
 
     def _attend_window(self, q, first_slot: int) -> torch.Tensor:
         """The output ``(B, L, H, D)`` of ``q`` through the lean path, once its keys are in
@@ -362,7 +367,7 @@ class DilatedKVCache(CacheSettings):
             self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets, self.device
         )
         # the keys every query reaches back to, and no further
-        width = max(1, min(stop, max(tables.reach(p, p + rows - 1) for p in self._position)))
+        width = decode.window_width(tables, self._position, rows, stop)
         out, _ = decode.attend_step(
             q,
             self._k.narrow(2, stop - width, width),

@@ -62,15 +62,21 @@ class DecodeTables:
     # per branch (in the order above) and phase: the heads that count it, as a slice
     query_heads: tuple[tuple[slice | None, ...], ...]
 
-    def costs(self, positions: Sequence[int], num_heads: int, window_factor: float = 1.0) -> tuple[int, int]:
-        """The cost of one query row per sequence at ``positions`` over one window and
-        branch by branch, in (key, head) pairs read, a call counting
-        :data:`BRANCH_CALLS_COST` for the calls and merges of the branch-by-branch way
-        (:func:`branch_calls`); the window's pairs count ``window_factor`` each. The
-        latter is summed only until it reaches the window's: the window wins from
-        there, whatever the rest costs."""
-        window = int(window_factor * len(positions) * num_heads * max(self.reach(p, p) for p in positions))
+    def costs(
+        self, positions: Sequence[int], num_heads: int, window_factor: float = 1.0, width: int | None = None
+    ) -> tuple[int, int]:
+        """The cost of one query row per sequence at ``positions`` over one window (of
+        ``width`` keys, default: what the queries reach) and branch by branch, in (key,
+        head) pairs read, a call counting :data:`BRANCH_CALLS_COST` for the calls and
+        merges of the branch-by-branch way (:func:`branch_calls`); the window's pairs
+        count ``window_factor`` each. The latter is summed only until it reaches the
+        window's: the window wins from there, whatever the rest costs."""
+        if width is None:
+            width = max(self.reach(p, p) for p in positions)
+        window = int(window_factor * len(positions) * num_heads * width)
         branches = BRANCH_CALLS_COST
+        if branches >= window:  # short windows: the common case, answered at once
+            return window, branches
         for _, _, chosen, _, groups in _phase_groups(self, positions):
             for phase, members in groups.items():
                 if branches >= window:  # the window wins whatever the rest costs
@@ -274,17 +280,21 @@ def window_attention(
     tables: DecodeTables,
     scale: float,
     padding: torch.Tensor | None = None,
+    width: int | None = None,
 ):
     """``out`` ``(B, Lq, H, D)`` and ``lse`` ``(B, Lq, H)`` of causal dilated attention
     of ``q`` ``(B, Lq, H, D)`` against ``k, v`` ``(B, H_kv, Lk, D)`` (key-head-major
     views), the queries being the last ``Lq`` key slots; slot 0 of row ``b`` is at
     position ``key_positions[b]`` (negative positions are padding). ``padding``:
     ``(B, Lk)`` bool, ``True`` for a padded key. The keys must reach back to every
-    query's earliest segment start (as a window of :func:`dilated_attention` must)."""
-    _batch, rows, num_heads, _ = q.shape
+    query's earliest segment start (as a window of :func:`dilated_attention` must).
+    ``width``: the last keys that the queries reach (:func:`window_width`), where the
+    caller has it."""
+    rows, num_heads = q.shape[1], q.shape[2]
     num_keys = k.shape[2]
     firsts = [p + num_keys - rows for p in key_positions]  # the first query's position, per row
-    width = max(1, min(num_keys, max(tables.reach(first, first + rows - 1) for first in firsts)))
+    if width is None:
+        width = window_width(tables, firsts, rows, num_keys)
     shared = len(set(firsts)) == 1  # sequences at one position share one bias
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the scores' dtype
     bias, empty = window_bias(tables, firsts[:1] if shared else firsts, rows, width, num_heads, q.device, dtype)
@@ -308,6 +318,12 @@ def window_attention(
     if tables.out_scale != 1.0:
         out = out * tables.out_scale
     return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def window_width(tables: DecodeTables, firsts: Sequence[int], rows: int, num_keys: int) -> int:
+    """How many of the last ``num_keys`` keys ``rows`` queries per sequence from
+    ``firsts[b]`` on reach (at least 1)."""
+    return max(1, min(num_keys, max(tables.reach(first, first + rows - 1) for first in firsts)))
 
 
 def _phase_groups(tables: DecodeTables, positions: Sequence[int]):
@@ -455,7 +471,8 @@ def attend_step(
         return window_attention(q, k, v, key_positions, tables, scale, padding)
     positions = [p + k.shape[2] - 1 for p in key_positions]
     distinct = batch > 1 and len(set(positions)) > 1  # a bias per row
-    window, branches = tables.costs(positions, num_heads, DISTINCT_FACTOR if distinct else 1.0)
+    width = window_width(tables, positions, 1, k.shape[2])
+    window, branches = tables.costs(positions, num_heads, DISTINCT_FACTOR if distinct else 1.0, width)
     if distinct:
         alone = sum(min(tables.costs([p], num_heads)) for p in positions) + ROW_STEP_COST * batch
         if alone < min(window, branches):
@@ -468,7 +485,7 @@ def attend_step(
         result = branch_attention(q, k, v, positions, tables, scale)
         if result is not None:
             return result
-    return window_attention(q, k, v, key_positions, tables, scale, padding)
+    return window_attention(q, k, v, key_positions, tables, scale, width=width)
 
 
 def ring_counts(

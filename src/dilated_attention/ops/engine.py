@@ -111,6 +111,14 @@ def nonfinite_rows(*tensors: torch.Tensor) -> torch.Tensor | None:
     return None if _known_empty(flags) else flags
 
 
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every value of ``tensors`` (one shape but the first dim, one dtype: a
+    decode step's ``q, k, v``) is finite, eagerly, in one concatenation and one sum (a
+    decode step counts operations, not bytes; see :func:`nonfinite_rows`)."""
+    joined = torch.cat(tensors)
+    return math.isfinite(joined.sum(dtype=accumulator(joined.dtype)).item())
+
+
 @dataclass
 class KeySource:
     """Rows that blocks take keys from: ``k``, ``v`` ``(B, L, H', D)``, ``padding``
@@ -330,14 +338,17 @@ def _buffer(shape, dtype, device, cfg: EngineConfig, fill: float) -> torch.Tenso
 
 def _write(dst: torch.Tensor, src: torch.Tensor, fresh: bool, scale: float = 1.0) -> None:
     """``dst <- scale * src`` for a fresh block, else ``dst += scale * src``, in place.
-    (The fresh scaling is a second pass over the block: ``torch.mul(..., out=dst)``
-    would fuse it, but ``torch.compile`` cannot trace a non-contiguous ``out=``.)"""
+    Eagerly a scaled write of the same dtype is one pass (``torch.mul(..., out=dst)``);
+    ``torch.compile`` cannot trace a non-contiguous ``out=``, and a wider ``dst`` must
+    not be scaled in ``src``'s precision, so those copy first and scale after."""
     if not fresh:
         dst.add_(src, alpha=scale)
-    else:
+    elif scale == 1.0:
         dst.copy_(src)
-        if scale != 1.0:
-            dst.mul_(scale)
+    elif src.dtype == dst.dtype and not torch.compiler.is_compiling():
+        torch.mul(src, scale, out=dst)
+    else:
+        dst.copy_(src).mul_(scale)
 
 
 def merge_into(out, lse, o, o_lse, scale: float = 1.0) -> None:
