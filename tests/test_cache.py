@@ -92,6 +92,26 @@ def test_memory_stays_bounded_over_a_million_tokens():
     assert int(cache.position) == 2**20 + 2500
 
 
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    st.lists(st.integers(0, 30), min_size=1, max_size=4),
+    st.lists(st.integers(1, 9), min_size=1, max_size=30),
+)
+def test_kept_positions_are_exactly_what_queries_to_come_need(segs, pads, chunks):
+    """Left-padded rows fed in chunks of any sizes: after every call the cache keeps, of
+    each sequence, exactly the positions from where a query at its next position may
+    look back to (the window start, checked lazily between segment boundaries)."""
+    cache = DilatedKVCache(len(pads), 1, 2, segs, [1] * len(segs), start=torch.tensor([-p for p in pads]))
+    for size in chunks:
+        chunk = torch.randn(len(pads), size, 1, 2)
+        cache.attend(chunk, chunk, chunk)
+        needed = [
+            p - max(-pad, min(p, min(max(p, 0) // w * w for w in segs)))
+            for p, pad in zip(cache.position.tolist(), pads, strict=True)
+        ]
+        assert cache.cached_positions == max(needed)
+
+
 def test_positive_starts_at_segment_boundaries():
     segs, rates = [4, 8], [1, 2]
     (q, k, v), _, _ = random_inputs(1, 1, 24, 2, 3)

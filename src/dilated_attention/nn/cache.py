@@ -183,6 +183,7 @@ class DilatedKVCache(CacheSettings):
         order = self._set_order(starts)
         self._position = [starts[s] for s in order]
         self._stored_from = list(self._position)  # earliest position kept, per row
+        self._until_window_moves = 0  # positions to come before some row's window start may move
         # Key-head-major, (B, H, slots, D): a decode step's window is contiguous per head.
         batch, heads, dim = len(starts), *self.shape[1:]
         self._k = self._v = torch.empty(batch, heads, 0, dim, dtype=self.dtype, device=self.device)
@@ -271,9 +272,9 @@ class DilatedKVCache(CacheSettings):
             self._end = kept
         first = self._end
         k, v = (k.detach() if k.requires_grad else k), (v.detach() if v.requires_grad else v)
-        if length == 1:  # a decode step: its one row's slot (fewer view operations)
-            self._k.select(2, first).copy_(k.select(1, 0))
-            self._v.select(2, first).copy_(v.select(1, 0))
+        if length == 1:  # a decode step: its one row's slot (indexing in one call each)
+            self._k[:, :, first] = k[:, 0]
+            self._v[:, :, first] = v[:, 0]
         else:
             self._k.narrow(2, first, length).copy_(k.transpose(1, 2))
             self._v.narrow(2, first, length).copy_(v.transpose(1, 2))
@@ -303,11 +304,23 @@ class DilatedKVCache(CacheSettings):
             out = out.index_select(0, self._sequences)
         length = q.shape[1]
         self._position = [position + length for position in self._position]
+        self._until_window_moves -= length
+        if self._until_window_moves <= 0:
+            self._move_window_starts()
+        return out
+
+    def _move_window_starts(self) -> None:
+        """Drop from the kept positions what no query to come attends to, and count the
+        positions until that can change again: a window start moves only where a
+        position reaches a multiple of a segment length (every step at negative
+        positions, which attend to nothing). Steps in between skip this."""
         self._stored_from = [
             max(kept, _needed_from(position, self.segment_lengths))
             for kept, position in zip(self._stored_from, self._position, strict=True)
         ]
-        return out
+        self._until_window_moves = min(
+            min(w - position % w for w in self.segment_lengths) if position >= 0 else 1 for position in self._position
+        )
 
     def _well_formed(self, q, k, v) -> bool:
         """Whether ``q, k, v`` are what :meth:`attend` takes (the common case, checked
@@ -375,6 +388,7 @@ class DilatedKVCache(CacheSettings):
             [position + rows - width for position in self._position],
             tables,
             self._kernel_scale,
+            width=width,
         )
         return out
 

@@ -84,6 +84,27 @@ class DecodeTables:
                 branches += _grouping(members, chosen[phase].bit_count())[0]
         return window, branches
 
+    def row_cost(self, position: int, num_heads: int) -> int:
+        """The cheaper of :meth:`costs` for one sequence's query at ``position``: it depends
+        on the position only modulo ``lcm(segment_lengths)`` (its place in every
+        segment), so it is kept per place (a left-padded batch asks every step)."""
+        key = (position % self.period if position >= 0 else position, num_heads)
+        found = self._row_costs.get(key)
+        if found is None:
+            found = min(self.costs([position], num_heads))
+            if len(self._row_costs) < MAX_ROW_COSTS:
+                self._row_costs[key] = found
+        return found
+
+    @functools.cached_property
+    def period(self) -> int:
+        """``lcm(segment_lengths)``: positions this far apart have one place in every segment."""
+        return math.lcm(*self.segment_lengths)
+
+    @functools.cached_property
+    def _row_costs(self) -> dict[tuple[int, int], int]:
+        return {}
+
     def reach(self, first: int, last: int) -> int:
         """How many keys queries at positions ``first .. last`` attend back over: from
         the first one's earliest segment start to the last (0 if all are padding,
@@ -137,6 +158,8 @@ class DecodeTables:
         return {}
 
 
+# Places in the cycle of segments whose one-row cost DecodeTables.row_cost keeps.
+MAX_ROW_COSTS = 2**16
 # Elements of the largest bias kept for the next layer's step (4 MiB in float32).
 MAX_REUSED_BIAS = 2**20
 # Elements of the largest table :meth:`DecodeTables.early_bias` makes (16 MiB in float32).
@@ -288,8 +311,8 @@ def window_attention(
     position ``key_positions[b]`` (negative positions are padding). ``padding``:
     ``(B, Lk)`` bool, ``True`` for a padded key. The keys must reach back to every
     query's earliest segment start (as a window of :func:`dilated_attention` must).
-    ``width``: the last keys that the queries reach (:func:`window_width`), where the
-    caller has it."""
+    ``width``: how many of the last keys the queries reach (:func:`window_width`),
+    where the caller has it."""
     rows, num_heads = q.shape[1], q.shape[2]
     num_keys = k.shape[2]
     firsts = [p + num_keys - rows for p in key_positions]  # the first query's position, per row
@@ -460,21 +483,24 @@ def attend_step(
     tables: DecodeTables,
     scale: float,
     padding: torch.Tensor | None = None,
+    width: int | None = None,
 ):
     """:func:`window_attention`, or :func:`branch_attention` where it reads far fewer
     keys (one query row per sequence, windows much longer than what the heads attend
     to): the cheaper of two exact ways. Rows at different positions (a left-padded
     batch) take one call together, or one row at a time where their phases differ
-    enough that shared calls would read far more than each row alone."""
+    enough that shared calls would read far more than each row alone. ``width``: as
+    :func:`window_attention` takes it."""
     batch, rows, num_heads, _ = q.shape
     if rows > 1 or padding is not None:
-        return window_attention(q, k, v, key_positions, tables, scale, padding)
+        return window_attention(q, k, v, key_positions, tables, scale, padding, width)
     positions = [p + k.shape[2] - 1 for p in key_positions]
     distinct = batch > 1 and len(set(positions)) > 1  # a bias per row
-    width = window_width(tables, positions, 1, k.shape[2])
+    if width is None:
+        width = window_width(tables, positions, 1, k.shape[2])
     window, branches = tables.costs(positions, num_heads, DISTINCT_FACTOR if distinct else 1.0, width)
     if distinct:
-        alone = sum(min(tables.costs([p], num_heads)) for p in positions) + ROW_STEP_COST * batch
+        alone = sum(tables.row_cost(p, num_heads) for p in positions) + ROW_STEP_COST * batch
         if alone < min(window, branches):
             parts = [
                 attend_step(q[b : b + 1], k[b : b + 1], v[b : b + 1], key_positions[b : b + 1], tables, scale)
