@@ -93,16 +93,23 @@ def test_memory_stays_bounded_over_a_million_tokens():
 
 
 @given(
-    st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    st.lists(st.tuples(st.integers(1, 40), st.integers(1, 3)), min_size=1, max_size=3),
     st.lists(st.integers(0, 30), min_size=1, max_size=4),
     st.lists(st.integers(1, 9), min_size=1, max_size=30),
+    st.data(),
 )
-def test_kept_positions_are_exactly_what_queries_to_come_need(segs, pads, chunks):
-    """Left-padded rows fed in chunks of any sizes: after every call the cache keeps, of
-    each sequence, exactly the positions from where a query at its next position may
-    look back to (the window start, checked lazily between segment boundaries)."""
-    cache = DilatedKVCache(len(pads), 1, 2, segs, [1] * len(segs), start=torch.tensor([-p for p in pads]))
+def test_kept_positions_are_exactly_what_queries_to_come_need(branches, pads, chunks, data):
+    """Left-padded rows fed in chunks of any sizes, reordered now and then: after every
+    call the cache keeps, of each sequence, exactly the positions from where a query at
+    its next position may look back to (the window start, checked lazily between
+    segment boundaries)."""
+    segs, rates = [w for w, _ in branches], [r for _, r in branches]
+    cache = DilatedKVCache(len(pads), 1, 2, segs, rates, start=torch.tensor([-p for p in pads]))
     for size in chunks:
+        if data.draw(st.booleans()):  # beam search keeps some sequences, repeats allowed
+            kept = data.draw(st.lists(st.integers(0, len(pads) - 1), min_size=len(pads), max_size=len(pads)))
+            cache.reorder(torch.tensor(kept))
+            pads = [pads[i] for i in kept]
         chunk = torch.randn(len(pads), size, 1, 2)
         cache.attend(chunk, chunk, chunk)
         needed = [

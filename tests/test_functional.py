@@ -78,18 +78,24 @@ def test_cpu_kernel_packs_strided_keys_of_long_queries(monkeypatch, is_causal):
     )
     bias[..., 0] = 0.0  # every causal row keeps a key
     received = []
-    op = kernels._aten._scaled_dot_product_flash_attention_for_cpu
+    forward_op = kernels._aten._scaled_dot_product_flash_attention_for_cpu
+    backward_op = kernels._aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-    def spy(q, k, v, *args, **kwargs):
+    def forward_spy(q, k, v, *args, **kwargs):
         received.append((k.is_contiguous(), v.is_contiguous()))
-        return op(q, k, v, *args, **kwargs)
+        return forward_op(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(kernels._aten, "_scaled_dot_product_flash_attention_for_cpu", spy)
+    def backward_spy(grad, q, k, v, *args, **kwargs):
+        received.append((k.is_contiguous(), v.is_contiguous()))
+        return backward_op(grad, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(kernels._aten, "_scaled_dot_product_flash_attention_for_cpu", forward_spy)
+    monkeypatch.setattr(kernels._aten, "_scaled_dot_product_flash_attention_for_cpu_backward", backward_spy)
     out, lse = kernels.CpuFlashKernel.forward(q, k, v, bias, is_causal, 0.3)
     grads = kernels.CpuFlashKernel.backward(out_grad, q, k, v, out, lse, bias, is_causal, 0.3)
     ref_out, ref_lse = MathKernel.forward(q, k, v, bias, is_causal, 0.3)
     ref_grads = MathKernel.backward(out_grad, q, k, v, ref_out, ref_lse, bias, is_causal, 0.3)
-    assert received == [(True, True)] and not k.is_contiguous()
+    assert received == [(True, True), (True, True)] and not k.is_contiguous()
     assert max_relative_error(out, ref_out) <= 1e-12 and max_relative_error(lse, ref_lse) <= 1e-12
     assert max_relative_error(grads, ref_grads) <= 1e-12
 

@@ -88,7 +88,9 @@ class DecodeTables:
         """The cheaper of :meth:`costs` for one sequence's query at ``position``: it depends
         on the position only modulo ``lcm(segment_lengths)`` (its place in every
         segment), so it is kept per place (a left-padded batch asks every step)."""
-        key = (position % self.period if position >= 0 else position, num_heads)
+        if position < 0:  # padding: attends to nothing
+            return 0
+        key = (position % self.period, num_heads)
         found = self._row_costs.get(key)
         if found is None:
             found = min(self.costs([position], num_heads))
