@@ -79,9 +79,9 @@ class DecodeTables:
             return window, branches
         for _, _, chosen, _, groups in _phase_groups(self, positions):
             for phase, members in groups.items():
+                branches += _grouping(members, chosen[phase].bit_count())[0]
                 if branches >= window:  # the window wins whatever the rest costs
                     return window, branches
-                branches += _grouping(members, chosen[phase].bit_count())[0]
         return window, branches
 
     def row_cost(self, position: int, num_heads: int) -> int:
