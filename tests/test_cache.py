@@ -1,6 +1,7 @@
 """``DilatedKVCache``: fed in chunks of any sizes, it gives the whole-sequence causal
 output row for row, in memory bounded by the longest segment."""
 
+import copy
 import re
 
 import pytest
@@ -147,6 +148,32 @@ def test_reorder_follows_the_chosen_beams_and_reset_starts_over():
     assert cache.position.tolist() == [0, 0, 0] and cache.cached_positions == 0
     ref, _ = reference_dilated_attention(q, k, v, segs, rates, is_causal=True)
     assert max_relative_error(feed(cache, (q, k, v), [20]), ref) <= 1e-12
+
+
+def test_a_deep_copy_continues_on_its_own():
+    """``copy.deepcopy`` of a cache mid-sequence (one token at a time, the lean path):
+    the copy and the original each continue by the reference, the copy on other
+    tokens, steps alternating, neither touching the other's keys."""
+    segs, rates = [4, 8], [1, 2]
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 20, 4, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    other = [torch.randn(2, 9, 4, 3, generator=gen, dtype=torch.float64) for _ in range(3)]
+    cache = DilatedKVCache(2, 4, 3, segs, rates, dtype=torch.float64, start=torch.tensor([0, -3]))
+    feed(cache, [t[:, :11] for t in (q, k, v)], [1] * 11)
+    copied = copy.deepcopy(cache)
+    outs, outs_copy = [], []
+    for at in range(9):  # steps alternating: shared buffers would mix the two
+        outs_copy.append(copied.attend(*(t[:, at : at + 1] for t in other)))
+        outs.append(cache.attend(*(t[:, 11 + at : 12 + at] for t in (q, k, v))))
+    out, out_copy = torch.cat(outs, 1), torch.cat(outs_copy, 1)
+    for row, pad in enumerate([0, 3]):
+        ref, _ = reference_dilated_attention(*(t[row : row + 1, pad:] for t in (q, k, v)), segs, rates, is_causal=True)
+        assert max_relative_error(out[row : row + 1], ref[:, 11 - pad :]) <= 1e-12
+        mixed = (
+            torch.cat([t[row : row + 1, pad:11], o[row : row + 1]], 1) for t, o in zip((q, k, v), other, strict=True)
+        )
+        ref, _ = reference_dilated_attention(*mixed, segs, rates, is_causal=True)
+        assert max_relative_error(out_copy[row : row + 1], ref[:, 11 - pad :]) <= 1e-12
 
 
 @given(configs(max_len=24), st.data())

@@ -10,6 +10,7 @@ result, row for row.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -272,9 +273,9 @@ class DilatedKVCache(CacheSettings):
             self._end = kept
         first = self._end
         k, v = (k.detach() if k.requires_grad else k), (v.detach() if v.requires_grad else v)
-        if length == 1:  # a decode step: its one row's slot (indexing in one call each)
-            self._k[:, :, first] = k[:, 0]
-            self._v[:, :, first] = v[:, 0]
+        if length == 1:  # a decode step: its one row's slot
+            self._k.select(2, first).copy_(k.select(1, 0))
+            self._v.select(2, first).copy_(v.select(1, 0))
         else:
             self._k.narrow(2, first, length).copy_(k.transpose(1, 2))
             self._v.narrow(2, first, length).copy_(v.transpose(1, 2))
@@ -371,14 +372,19 @@ class DilatedKVCache(CacheSettings):
             return False
         return all_finite(q, k, v)
 
+    @functools.cached_property
+    def _decode_tables(self) -> decode.DecodeTables:
+        """The lean path's tables of these heads and branches (shared by caches alike)."""
+        return decode.decode_tables(
+            self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets, self.device
+        )
+
     def _attend_window(self, q, first_slot: int) -> torch.Tensor:
         """The output ``(B, L, H, D)`` of ``q`` through the lean path, once its keys are in
         the buffers from slot ``first_slot`` on (the positions are not yet advanced)."""
         rows = q.shape[1]
         stop = first_slot + rows
-        tables = decode.decode_tables(
-            self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets, self.device
-        )
+        tables = self._decode_tables
         # the keys every query reaches back to, and no further
         width = decode.window_width(tables, self._position, rows, stop)
         out, _ = decode.attend_step(

@@ -98,6 +98,11 @@ class DecodeTables:
                 self._row_costs[key] = found
         return found
 
+    def __deepcopy__(self, memo) -> DecodeTables:
+        """Itself: tables follow from the configuration alone (what they keep are memos),
+        so a deep copy of a cache shares them."""
+        return self
+
     @functools.cached_property
     def period(self) -> int:
         """``lcm(segment_lengths)``: positions this far apart have one place in every segment."""
@@ -140,8 +145,8 @@ class DecodeTables:
         table, empty = found
         if table is None:
             return None
-        period, heads, length = len(empty) - MAX_ROWS, table.shape[1], table.shape[2]
-        phase = first % period
+        phases, heads, length = table.shape
+        phase = first % (phases - MAX_ROWS)
         # row i, head h, key j: table[phase + i, h, m - 1 - (first + i) + j], m = min(w)
         view = table.as_strided(
             (1, heads, rows, first + rows),
