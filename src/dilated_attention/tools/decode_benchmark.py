@@ -20,7 +20,11 @@ Both are timed over the same span of positions from ``P``: ``min(steps, P)`` ste
   shapes), each step writes its row and runs PyTorch's SDPA over the cache's filled
   part; left-padded rows add a boolean key mask (SDPA's fastest masked path). On
   CUDA the FlashAttention backend is forced where there is no mask. The median of
-  ``dense_steps`` steps spread evenly over the span.
+  ``dense_steps`` steps per round spread evenly over the span.
+- The two alternate round by round, so that a slow spell of the machine touches
+  both columns alike; each runs its round alone (a dense step timed right after a
+  dilated one finds the processor's caches holding the other's data, and takes up
+  to twice as long).
 - On CUDA also ``dilated-graph`` and ``dense-graph``: one step captured in a CUDA
   graph and replayed: :class:`StaticKVCache` (a fixed ring of ``max(w) - 1``
   positions) and a dense cache of a fixed length with a length mask.
@@ -129,21 +133,38 @@ def _fed_cache(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> tuple[D
     return cache, tokens
 
 
-def dilated_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> DecodeRow:
-    """Time per token of a :class:`DilatedKVCache`'s steps from ``position`` on, its rows
-    left-padded by ``pads``: the mean over the span, the median of ``cfg.rounds``
-    rounds, each from a copy of the same state."""
+def step_times(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> list[DecodeRow]:
+    """Time per token of a :class:`DilatedKVCache` and of a dense cache over the span
+    from ``position`` on, rows left-padded by ``pads``, in ``cfg.rounds`` rounds that
+    alternate the two (a slow spell of the machine touches both alike): in each, the
+    dilated cache (a copy of one state) takes every step of the span, then the dense
+    cache ``cfg.dense_steps`` of them spread evenly, after one untimed step (each
+    side runs with its own data in the processor's caches, as it would alone; a
+    dense step timed right after a dilated one takes up to twice as long).
+    Dilated: the mean over the span, the median of the rounds; dense: the median of
+    all its steps."""
     cache, tokens = _fed_cache(cfg, position, pads)
-    device, means = torch.device(cfg.device), []
+    dense_step, dense_bytes = _dense_cache(cfg, position, pads)
+    device, span = torch.device(cfg.device), span_of(cfg, position)
+    dense_at = [position + i * span // cfg.dense_steps for i in range(cfg.dense_steps)]
+    means, dense_times = [], []
     with torch.inference_mode():
         for _ in range(cfg.rounds):
             fed = copy.deepcopy(cache)
             times = []
-            for i in range(span_of(cfg, position)):
+            for i in range(span):
                 token = tokens[i % len(tokens)]
                 times.append(_seconds(functools.partial(fed.attend, token, token, token), device))
             means.append(statistics.fmean(times))
-    return DecodeRow("dilated", _batch_name(pads), position, 1e3 * statistics.median(means) / len(pads), fed.nbytes)
+            if dense_step is not None:
+                dense_step(dense_at[0])
+                dense_times += [_seconds(functools.partial(dense_step, at), device) for at in dense_at]
+    batch, name = len(pads), _batch_name(pads)
+    dilated = DecodeRow("dilated", name, position, 1e3 * statistics.median(means) / batch, fed.nbytes)
+    if dense_step is None:
+        return [dilated, DecodeRow("dense", name, position, None, dense_bytes, "skipped: the cache would not fit")]
+    dense_ms = 1e3 * statistics.median(dense_times) / batch
+    return [dilated, DecodeRow("dense", name, position, dense_ms, dense_bytes, _dense_backend(device, any(pads)))]
 
 
 def padded_against_equal(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> dict:
@@ -161,15 +182,16 @@ def padded_against_equal(cfg: DecodeConfig, position: int, pads: Sequence[int]) 
     return {"position": position, "padded_ms": padded, "equal_ms": equal, "ratio": padded / equal}
 
 
-def dense_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> DecodeRow:
-    """Median time per token of a dense preallocated cache's steps from ``position`` on."""
+def _dense_cache(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> tuple[Callable[[int], object] | None, int]:
+    """``(step, bytes)``: a dense cache preallocated for every position of the span from
+    ``position`` on, ``step(at)`` writing the row at ``at`` and attending over the
+    filled part (``None`` where the cache would not fit such a machine)."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
-    batch, span = len(pads), span_of(cfg, position)
-    length = position + span
+    batch, length = len(pads), position + span_of(cfg, position)
     size = (batch, cfg.heads, length, cfg.head_dim)
     nbytes = 2 * math.prod(size) * torch.empty((), dtype=dtype).element_size()
     if nbytes > MAX_DENSE_BYTES:
-        return DecodeRow("dense", _batch_name(pads), position, None, nbytes, "skipped: the cache would not fit")
+        return None, nbytes
     generator = torch.Generator().manual_seed(position)
     keys = torch.randn(size, generator=generator).to(device, dtype)
     values = torch.randn(size, generator=generator).to(device, dtype)
@@ -182,18 +204,7 @@ def dense_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> De
         values[:, :, at : at + 1] = token
         return _sdpa(token, keys[:, :, : at + 1], values[:, :, : at + 1], None if mask is None else mask[..., : at + 1])
 
-    with torch.inference_mode():
-        step(position)
-        at = [position + i * span // cfg.dense_steps for i in range(cfg.dense_steps)]
-        times = [_seconds(functools.partial(step, a), device) for a in at]
-    return DecodeRow(
-        "dense",
-        _batch_name(pads),
-        position,
-        1e3 * statistics.median(times) / batch,
-        nbytes,
-        _dense_backend(device, mask is not None),
-    )
+    return step, nbytes
 
 
 def span_of(cfg: DecodeConfig, position: int) -> int:
@@ -218,7 +229,7 @@ def _dense_backend(device: torch.device, masked: bool) -> str:
     return "SDPA (CPU flash), boolean key mask" if masked else "SDPA (CPU flash)"
 
 
-def graph_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int], impl: str) -> DecodeRow:
+def graph_step_times(cfg: DecodeConfig, position: int, pads: Sequence[int], impl: str) -> list[DecodeRow]:
     """CUDA only: time per token of one step captured in a CUDA graph and replayed:
     ``dilated-graph`` (:class:`StaticKVCache`) or ``dense-graph`` (a dense cache of a
     fixed length, attending through a length mask updated in place)."""
@@ -244,7 +255,7 @@ def graph_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int], impl:
         size = (batch, cfg.heads, length, cfg.head_dim)
         nbytes = 2 * math.prod(size) * torch.empty((), dtype=dtype).element_size()
         if nbytes > MAX_DENSE_BYTES:
-            return DecodeRow(impl, _batch_name(pads), position, None, nbytes, "skipped: the cache would not fit")
+            return [DecodeRow(impl, _batch_name(pads), position, None, nbytes, "skipped: the cache would not fit")]
         keys, values = (torch.randn(size, generator=generator).to(device, dtype) for _ in range(2))
         at = torch.tensor([position], device=device)
         columns = torch.arange(length, device=device)
@@ -270,14 +281,16 @@ def graph_step_time(cfg: DecodeConfig, position: int, pads: Sequence[int], impl:
         with torch.cuda.graph(graph):
             step()
         times = [_seconds(graph.replay, device) for _ in range(cfg.dense_steps)]
-    return DecodeRow(
-        impl,
-        _batch_name(pads),
-        position,
-        1e3 * statistics.median(times) / batch,
-        nbytes,
-        "CUDA graph" + ("" if impl == "dilated-graph" else ", SDPA over a fixed length, length mask"),
-    )
+    return [
+        DecodeRow(
+            impl,
+            _batch_name(pads),
+            position,
+            1e3 * statistics.median(times) / batch,
+            nbytes,
+            "CUDA graph" + ("" if impl == "dilated-graph" else ", SDPA over a fixed length, length mask"),
+        )
+    ]
 
 
 def _batch_name(pads: Sequence[int]) -> str:
@@ -286,17 +299,16 @@ def _batch_name(pads: Sequence[int]) -> str:
 
 def run(cfg: DecodeConfig, progress=print) -> DecodeResult:
     result = DecodeResult(cfg, machine_info(torch.device(cfg.device)))
-    measures = [dilated_step_time, dense_step_time]
+    measures: list[Callable[[DecodeConfig, int, Sequence[int]], list[DecodeRow]]] = [step_times]
     if cfg.device == "cuda":
-        measures += [functools.partial(graph_step_time, impl=impl) for impl in ("dilated-graph", "dense-graph")]
+        measures += [functools.partial(graph_step_times, impl=impl) for impl in ("dilated-graph", "dense-graph")]
     for measure in measures:  # the first steps of a process pay for its warm-up: not recorded
         measure(dataclasses.replace(cfg, steps=64, rounds=1, dense_steps=4), min(cfg.positions), [0])
     for position in cfg.positions:
         padded = padding_of(cfg, cfg.batch, position)
         fed = any(padded) and position <= MAX_PADDED_POSITION  # a padded batch is fed from its start
         for pads in [[0], [0] * cfg.batch] + ([padded] if fed else []):
-            for measure in measures:
-                row = measure(cfg, position, pads)
+            for row in (row for measure in measures for row in measure(cfg, position, pads)):
                 result.rows.append(row)
                 shown = "-" if row.ms_per_token is None else f"{row.ms_per_token:8.4f}"
                 progress(
@@ -321,7 +333,8 @@ def format_table(result: DecodeResult) -> str:
         (
             f"ms per token (a step's time over its batch) over the steps from the position on, min(position, "
             f"{cfg.steps}) of them (at least 64): dilated their mean (median of {cfg.rounds} rounds), dense the "
-            f"median of {cfg.dense_steps} spread over them; padded: row b left-padded by b/(B-1) of an eighth of "
+            f"median of {cfg.dense_steps} per round spread over them, the rounds alternating; padded: row b "
+            "left-padded by b/(B-1) of an eighth of "
             "the position"
         ),
         "",
