@@ -23,8 +23,8 @@ Both are timed over the same span of positions from ``P``: ``min(steps, P)`` ste
   ``dense_steps`` steps per round spread evenly over the span.
 - The two alternate round by round, so that a slow spell of the machine touches
   both columns alike; each runs its round alone (a dense step timed right after a
-  dilated one finds the processor's caches holding the other's data, and takes up
-  to twice as long).
+  dilated one finds the processor's caches holding the other's data, which slows
+  it).
 - On CUDA also ``dilated-graph`` and ``dense-graph``: one step captured in a CUDA
   graph and replayed: :class:`StaticKVCache` (a fixed ring of ``max(w) - 1``
   positions) and a dense cache of a fixed length with a length mask.
@@ -139,8 +139,7 @@ def step_times(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> list[De
     alternate the two (a slow spell of the machine touches both alike): in each, the
     dilated cache (a copy of one state) takes every step of the span, then the dense
     cache ``cfg.dense_steps`` of them spread evenly, after one untimed step (each
-    side runs with its own data in the processor's caches, as it would alone; a
-    dense step timed right after a dilated one takes up to twice as long).
+    side runs with its own data in the processor's caches, as it would alone).
     Dilated: the mean over the span, the median of the rounds; dense: the median of
     all its steps."""
     cache, tokens = _fed_cache(cfg, position, pads)
