@@ -307,13 +307,14 @@ def run(cfg: DecodeConfig, progress=print) -> DecodeResult:
         padded = padding_of(cfg, cfg.batch, position)
         fed = any(padded) and position <= MAX_PADDED_POSITION  # a padded batch is fed from its start
         for pads in [[0], [0] * cfg.batch] + ([padded] if fed else []):
-            for row in (row for measure in measures for row in measure(cfg, position, pads)):
-                result.rows.append(row)
-                shown = "-" if row.ms_per_token is None else f"{row.ms_per_token:8.4f}"
-                progress(
-                    f"{row.impl:13} B={row.batch:9} position {row.position:>9,}: {shown} ms/token, "
-                    f"cache {row.cache_bytes / 2**20:10.1f} MiB {row.note}"
-                )
+            for measure in measures:
+                for row in measure(cfg, position, pads):
+                    result.rows.append(row)
+                    shown = "-" if row.ms_per_token is None else f"{row.ms_per_token:8.4f}"
+                    progress(
+                        f"{row.impl:13} B={row.batch:9} position {row.position:>9,}: {shown} ms/token, "
+                        f"cache {row.cache_bytes / 2**20:10.1f} MiB {row.note}"
+                    )
         if fed:
             result.padded.append(padded_against_equal(cfg, position, padded))
             progress(f"padded / equal, alternating, position {position:>9,}: {result.padded[-1]['ratio']:.2f}")
@@ -333,8 +334,7 @@ def format_table(result: DecodeResult) -> str:
             f"ms per token (a step's time over its batch) over the steps from the position on, min(position, "
             f"{cfg.steps}) of them (at least 64): dilated their mean (median of {cfg.rounds} rounds), dense the "
             f"median of {cfg.dense_steps} per round spread over them, the rounds alternating; padded: row b "
-            "left-padded by b/(B-1) of an eighth of "
-            "the position"
+            "left-padded by b/(B-1) of an eighth of the position"
         ),
         "",
     ]
