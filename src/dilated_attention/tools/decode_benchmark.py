@@ -150,11 +150,7 @@ def step_times(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> list[De
     with torch.inference_mode():
         for _ in range(cfg.rounds):
             fed = copy.deepcopy(cache)
-            times = []
-            for i in range(span):
-                token = tokens[i % len(tokens)]
-                times.append(_seconds(functools.partial(fed.attend, token, token, token), device))
-            means.append(statistics.fmean(times))
+            means.append(statistics.fmean(_step_seconds(fed, tokens, i, device) for i in range(span)))
             if dense_step is not None:
                 dense_step(dense_at[0])
                 dense_times += [_seconds(functools.partial(dense_step, at), device) for at in dense_at]
@@ -174,8 +170,7 @@ def padded_against_equal(cfg: DecodeConfig, position: int, pads: Sequence[int]) 
     with torch.inference_mode():
         for i in range(span_of(cfg, position)):
             for which, (cache, tokens) in enumerate(caches):
-                token = tokens[i % len(tokens)]
-                totals[which] += _seconds(functools.partial(cache.attend, token, token, token), device)
+                totals[which] += _step_seconds(cache, tokens, i, device)
     steps = span_of(cfg, position) * len(pads)
     padded, equal = (1e3 * total / steps for total in totals)
     return {"position": position, "padded_ms": padded, "equal_ms": equal, "ratio": padded / equal}
@@ -204,6 +199,13 @@ def _dense_cache(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> tuple
         return _sdpa(token, keys[:, :, : at + 1], values[:, :, : at + 1], None if mask is None else mask[..., : at + 1])
 
     return step, nbytes
+
+
+def _step_seconds(cache: DilatedKVCache, tokens: Sequence[torch.Tensor], i: int, device: torch.device) -> float:
+    """Seconds of the cache's ``i``-th step of a span (its token ``tokens[i % len(tokens)]``
+    as query, key and value)."""
+    token = tokens[i % len(tokens)]
+    return _seconds(functools.partial(cache.attend, token, token, token), device)
 
 
 def span_of(cfg: DecodeConfig, position: int) -> int:
