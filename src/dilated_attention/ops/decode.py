@@ -20,6 +20,7 @@ it to the float64 reference.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,38 +63,29 @@ class DecodeTables:
     # per branch (in the order above) and phase: the heads that count it, as a slice
     query_heads: tuple[tuple[slice | None, ...], ...]
 
-    def costs(
+    def window_cost(
         self, positions: Sequence[int], num_heads: int, window_factor: float = 1.0, width: int | None = None
-    ) -> tuple[int, int]:
-        """The cost of one query row per sequence at ``positions`` over one window (of
-        ``width`` keys, default: what the queries reach) and branch by branch, in (key,
-        head) pairs read, a call counting :data:`BRANCH_CALLS_COST` for the calls and
-        merges of the branch-by-branch way (:func:`branch_calls`); the window's pairs
-        count ``window_factor`` each. The latter is summed only until it reaches the
-        window's: the window wins from there, whatever the rest costs."""
+    ) -> int:
+        """What one query row per sequence at ``positions`` costs over one window (of
+        ``width`` keys, default: what the queries reach), in (key, head) pairs read, each
+        counting ``window_factor``; :func:`branch_calls` says what the branch-by-branch
+        way costs in the same unit."""
         if width is None:
             width = max(self.reach(p, p) for p in positions)
-        window = int(window_factor * len(positions) * num_heads * width)
-        branches = BRANCH_CALLS_COST
-        if branches >= window:  # short windows: the common case, answered at once
-            return window, branches
-        for _, _, chosen, _, groups in _phase_groups(self, positions):
-            for phase, members in groups.items():
-                branches += _grouping(members, chosen[phase].bit_count())[0]
-                if branches >= window:  # the window wins whatever the rest costs
-                    return window, branches
-        return window, branches
+        return int(window_factor * len(positions) * num_heads * width)
 
     def row_cost(self, position: int, num_heads: int) -> int:
-        """The cheaper of :meth:`costs` for one sequence's query at ``position``: it depends
-        on the position only modulo ``lcm(segment_lengths)`` (its place in every
-        segment), so it is kept per place (a left-padded batch asks every step)."""
+        """The cheaper way's cost (:meth:`window_cost`, :func:`branch_calls`) for one
+        sequence's query at ``position``: it depends on the position only modulo
+        ``lcm(segment_lengths)`` (its place in every segment), so it is kept per place
+        (a left-padded batch asks every step)."""
         if position < 0:  # padding: attends to nothing
             return 0
         key = (position % self.period, num_heads)
         found = self._row_costs.get(key)
         if found is None:
-            found = min(self.costs([position], num_heads))
+            window = self.window_cost([position], num_heads)
+            found = min(window, branch_calls(self, [position], window)[0])
             if len(self._row_costs) < MAX_ROW_COSTS:
                 self._row_costs[key] = found
         return found
@@ -154,6 +146,26 @@ class DecodeTables:
             phase * heads * length + length - MAX_ROWS - 1 - first,
         )
         return view, any(empty[phase : phase + rows])
+
+    def late_keys_mask(self, counts: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+        """The additive mask ``(len(counts), 1, 1, max(counts))`` of rows that share a call
+        over their last ``max(counts)`` keys, row ``i`` attending to its last
+        ``counts[i]`` only (``-inf`` before them, ``0`` from there): rows of one
+        ``[-inf] * m + [0] * m`` ramp, kept per dtype, gathered in one operation."""
+        longest = max(counts)
+        ramp = self._ramps.get(dtype)
+        if ramp is None or ramp.shape[0] < 2 * longest:
+            half = 1 << (longest - 1).bit_length()
+            ramp = torch.zeros(2 * half, dtype=dtype, device=device)
+            ramp[:half] = -math.inf
+            self._ramps[dtype] = ramp
+        half = ramp.shape[0] // 2
+        starts = torch.tensor([half - longest + count for count in counts], device=device)
+        return ramp.unfold(0, longest, 1).index_select(0, starts).view(len(counts), 1, 1, longest)
+
+    @functools.cached_property
+    def _ramps(self) -> dict[torch.dtype, torch.Tensor]:
+        return {}
 
     @functools.cached_property
     def reused(self) -> dict[str, tuple]:
@@ -376,8 +388,11 @@ class BranchCall:
     """One attention call of the branch-by-branch way: the heads ``heads`` (a slice) of
     the batch rows ``rows`` (a slice, or the rows to gather) against every ``r``-th key
     back from their queries, ``counts[i]`` keys for the ``i``-th row (the others,
-    before its segment's start, masked)."""
+    before its segment's start, masked); ``branch``: the index of its branch in
+    :attr:`DecodeTables.branches` (the calls of one branch cover each (row, head) at
+    most once)."""
 
+    branch: int
     r: int
     heads: slice
     rows: slice | tuple[int, ...]
@@ -386,39 +401,59 @@ class BranchCall:
 
 def _grouping(members: dict[int, int], heads_counted: int) -> tuple[int, slice | tuple[int, ...] | None]:
     """``(cost, rows)`` of the cheaper way to call the rows ``members`` (row -> its
-    keys) of one branch and phase for ``heads_counted`` heads, in (key, head) pairs
-    read: one call of them all (``rows`` a slice where they are neighbours, else the
-    rows to gather, a gather counting as a second read), or a call per row (``rows``
-    ``None``), each call beyond the first counting :data:`ROW_CALL_COST`."""
-    first, last = min(members), max(members)
-    rows = slice(first, last + 1) if last - first + 1 == len(members) else tuple(members)
-    reads = 1 if isinstance(rows, slice) else 2
-    shared = reads * len(members) * heads_counted * max(members.values())
-    alone = heads_counted * sum(members.values()) + (len(members) - 1) * ROW_CALL_COST
-    return (shared, rows) if shared <= alone else (alone, None)
+    keys, in increasing row order) of one branch and phase for ``heads_counted``
+    heads, in (key, head) pairs read: one call of them all (``rows`` a slice where
+    they are evenly spaced, a view, else the rows to gather, a gather counting as a
+    second read), or a call per row (``rows`` ``None``), each call beyond the first
+    counting :data:`ROW_CALL_COST`."""
+    rows = list(members)
+    step = rows[1] - rows[0] if len(rows) > 1 else 1
+    even = all(b - a == step for a, b in itertools.pairwise(rows))
+    shared_rows = slice(rows[0], rows[-1] + 1, step) if even else tuple(rows)
+    shared = (1 if even else 2) * len(rows) * heads_counted * max(members.values())
+    alone = heads_counted * sum(members.values()) + (len(rows) - 1) * ROW_CALL_COST
+    return (shared, shared_rows) if shared <= alone else (alone, None)
 
 
-def branch_calls(tables: DecodeTables, positions: Sequence[int]) -> list[BranchCall]:
+def branch_calls(
+    tables: DecodeTables, positions: Sequence[int], limit: float = math.inf
+) -> tuple[int, list[BranchCall] | None]:
     """The calls of :func:`branch_attention` for one query row per sequence at
-    ``positions``: per branch and per phase some row's query has in its segment, one
-    call of the rows of that phase (a slice where they are neighbours, else gathered),
-    or one call per row where that reads fewer pairs than the longest row's keys for
-    every row (rows far apart in their segments) by more than the calls cost
-    (:func:`_grouping`)."""
+    ``positions``, and their cost in (key, head) pairs read (:data:`BRANCH_CALLS_COST`
+    for the calls and merges, and each call's pairs): per branch and per phase some
+    row's query has in its segment, one call of the rows of that phase, or one call
+    per row where that reads fewer pairs than the longest row's keys for every row
+    (rows far apart in their segments) by more than the calls cost (:func:`_grouping`).
+    The calls are ``None`` once the cost reaches ``limit`` (another way is cheaper,
+    whatever the rest would cost), the cost then summed only that far."""
+    cost = BRANCH_CALLS_COST
     calls: list[BranchCall] = []
-    for _w, r, chosen, heads_by_phase, groups in _phase_groups(tables, positions):
+    if cost >= limit:  # short windows: the common case, answered at once
+        return cost, None
+    for branch, (_w, r, chosen, heads_by_phase, groups) in enumerate(_phase_groups(tables, positions)):
         for phase, members in groups.items():
+            pairs, rows = _grouping(members, chosen[phase].bit_count())
+            cost += pairs
+            if cost >= limit:
+                return cost, None
             heads = heads_by_phase[phase]
-            _, rows = _grouping(members, chosen[phase].bit_count())
             if rows is None:
-                calls.extend(BranchCall(r, heads, slice(row, row + 1), (count,)) for row, count in members.items())
+                calls.extend(
+                    BranchCall(branch, r, heads, slice(row, row + 1), (count,)) for row, count in members.items()
+                )
             else:
-                calls.append(BranchCall(r, heads, rows, tuple(members.values())))
-    return calls
+                calls.append(BranchCall(branch, r, heads, rows, tuple(members.values())))
+    return cost, calls
 
 
 def branch_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: Sequence[int], tables: DecodeTables, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: Sequence[int],
+    tables: DecodeTables,
+    scale: float,
+    calls: Sequence[BranchCall] | None = None,
 ):
     """``(out, lse)`` as :func:`window_attention` gives them, for one query row per
     sequence at ``positions`` (no padding mask), computed branch by branch: for each
@@ -428,49 +463,58 @@ def branch_attention(
     that phase gathered where there are others; a row's keys before its segment's start
     masked), the calls combined by their log-sum-exps. It reads only the keys each head
     attends to, where a window reads every head's whole window: fewer bytes once
-    windows are long, more calls. ``None`` where grouped-query heads map to key heads
-    no view expresses (the window then serves)."""
+    windows are long, more calls. ``calls``: :func:`branch_calls` of ``positions``,
+    where the caller has them. ``None`` where grouped-query heads map to key heads no
+    view expresses (the window then serves)."""
     batch, _, num_heads, dim = q.shape
     groups_per_kv = num_heads // k.shape[1]
     queries, end = contiguous_last_dim(q).transpose(1, 2), k.shape[2]  # each query's own key is slot end - 1
     k, v = contiguous_last_dim(k), contiguous_last_dim(v)
     acc = accumulator(q.dtype)
-    parts: list[tuple[slice, slice | torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for call in branch_calls(tables, positions):
-        kv, _, gathered = key_heads(call.heads.indices(num_heads), groups_per_kv)
-        if gathered is not None or kv is None:
-            return None
+    if calls is None:
+        calls = branch_calls(tables, positions)[1]
+        assert calls is not None  # without a limit
+    parts: list[tuple[int, slice, slice | torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for call in calls:
+        kv_heads = call.heads
+        if groups_per_kv > 1:
+            kv, _, gathered = key_heads(call.heads.indices(num_heads), groups_per_kv)
+            if gathered is not None or kv is None:
+                return None
+            kv_heads = slice(*kv)
         longest = max(call.counts)
         keys = slice(end - 1 - (longest - 1) * call.r, end, call.r)
-        rows = call.rows if isinstance(call.rows, slice) else torch.tensor(call.rows, device=q.device)
-        qs, ks, vs = (
-            t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
-            for t in (queries[:, call.heads], k[:, slice(*kv), keys], v[:, slice(*kv), keys])
-        )
-        mask = None
-        if min(call.counts) < longest:  # a row's keys before its segment's start
-            columns = torch.arange(longest, device=q.device)
-            first = longest - torch.tensor(call.counts, device=q.device)[:, None]
-            mask = torch.where(columns >= first, 0.0, -math.inf).to(acc)[:, None, None, :]
+        if isinstance(call.rows, slice):
+            rows: slice | torch.Tensor = call.rows
+            qs, ks, vs = queries[rows, call.heads], k[rows, kv_heads, keys], v[rows, kv_heads, keys]
+        else:
+            rows = torch.tensor(call.rows, device=q.device)
+            qs, ks, vs = (
+                t.index_select(0, rows) for t in (queries[:, call.heads], k[:, kv_heads, keys], v[:, kv_heads, keys])
+            )
+        # a row's keys before its segment's start, where its call reads further back for others
+        mask = None if min(call.counts) == longest else tables.late_keys_mask(call.counts, acc, q.device)
         o, part_lse = _cpu_attention(qs, ks, vs, 0.0, False, attn_mask=mask, scale=scale)
-        parts.append((call.heads, rows, o, part_lse))
-    out, lse = _combine(parts, (batch, num_heads, 1, dim), tables.out_scale, acc, q.device)
+        parts.append((call.branch, call.heads, rows, o, part_lse))
+    out, lse = _combine(parts, len(tables.branches), (batch, num_heads, 1, dim), tables.out_scale, acc, q.device)
     return out.to(q.dtype).transpose(1, 2), lse.transpose(1, 2)
 
 
-def _combine(parts, shape: tuple[int, int, int, int], out_scale: float, acc: torch.dtype, device):
+def _combine(parts, branches: int, shape: tuple[int, int, int, int], out_scale: float, acc: torch.dtype, device):
     """``(out, lse)`` ``(B, H, L, D)``, ``(B, H, L)`` of one softmax over the keys of every
-    part ``(heads, rows, out, lse)`` (attention of the heads ``heads``, a slice, of the
-    batch rows ``rows`` (a slice or an index tensor) over some of the keys), ``out``
-    times ``out_scale``; what no part covers: 0 and ``-inf``. One pass over all parts (a
-    decode step's tensors are small: operations, not bytes, cost)."""
-    if len(parts) == 1 and out_scale == 1.0 and _covers(parts[0][0], shape[1]) and _covers(parts[0][1], shape[0]):
-        return parts[0][2].to(acc), parts[0][3]
-    outs = torch.zeros((len(parts), *shape), dtype=acc, device=device)
-    lses = torch.full((len(parts), *shape[:3]), -math.inf, dtype=acc, device=device)
-    for i, (heads, rows, o, lse) in enumerate(parts):
-        outs[i, rows, heads] = o
-        lses[i, rows, heads] = lse
+    part ``(branch, heads, rows, out, lse)`` (attention of the heads ``heads``, a slice,
+    of the batch rows ``rows`` (a slice or an index tensor) over some of the keys of
+    branch ``branch`` of ``branches``; the parts of one branch cover each cell at most
+    once), ``out`` times ``out_scale``; what no part covers: 0 and ``-inf``. One pass
+    over all parts, written by branch (a decode step's tensors are small: operations,
+    not bytes, cost)."""
+    if len(parts) == 1 and out_scale == 1.0 and _covers(parts[0][1], shape[1]) and _covers(parts[0][2], shape[0]):
+        return parts[0][3].to(acc), parts[0][4]
+    outs = torch.zeros((branches, *shape), dtype=acc, device=device)
+    lses = torch.full((branches, *shape[:3]), -math.inf, dtype=acc, device=device)
+    for branch, heads, rows, o, lse in parts:
+        outs[branch, rows, heads] = o
+        lses[branch, rows, heads] = lse
     lse = lses.logsumexp(0)
     weights = (lses - lse).exp_().nan_to_num_(0.0)  # a head no part covers: -inf - -inf
     out = (outs * weights.unsqueeze(-1)).sum(0)
@@ -505,8 +549,9 @@ def attend_step(
     distinct = batch > 1 and len(set(positions)) > 1  # a bias per row
     if width is None:
         width = window_width(tables, positions, 1, k.shape[2])
-    window, branches = tables.costs(positions, num_heads, DISTINCT_FACTOR if distinct else 1.0, width)
-    if distinct:
+    window = tables.window_cost(positions, num_heads, DISTINCT_FACTOR if distinct else 1.0, width)
+    branches, calls = branch_calls(tables, positions, window)
+    if distinct and ROW_STEP_COST * batch < min(window, branches):  # rows alone may be cheaper
         alone = sum(tables.row_cost(p, num_heads) for p in positions) + ROW_STEP_COST * batch
         if alone < min(window, branches):
             parts = [
@@ -514,8 +559,8 @@ def attend_step(
                 for b in range(batch)
             ]
             return torch.cat([out for out, _ in parts]), torch.cat([lse for _, lse in parts])
-    if branches < window:
-        result = branch_attention(q, k, v, positions, tables, scale)
+    if calls is not None:  # branch by branch is cheaper than the window
+        result = branch_attention(q, k, v, positions, tables, scale, calls)
         if result is not None:
             return result
     return window_attention(q, k, v, key_positions, tables, scale, width=width)
