@@ -273,7 +273,6 @@ def _attend(
         query_position=query_position,
         key_position=query_position + num_queries - call.num_keys,
         batch_rows=rows,
-        keys_checked=keys_checked,
         fused=fused_plan,
     )
     tensors = [call.q, call.k, call.v, call.padding, key_flags]
@@ -281,7 +280,9 @@ def _attend(
         index = torch.as_tensor(rows, device=call.q.device)
         tensors = [None if t is None else t.index_select(0, index) for t in tensors]
     q, k, v = (contiguous_last_dim(t) for t in tensors[:3])
-    args = (q, k, v, tensors[3], seed, tensors[4], cfg, exchange)
+    # the rows holding a NaN or an infinity, found once for the forward and the backward
+    query_flags, key_flags = nonfinite_rows(q), tensors[4] if keys_checked else nonfinite_rows(k, v)
+    args = (q, k, v, tensors[3], seed, query_flags, key_flags, cfg, exchange)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return DilatedAttentionFunction.apply(*args)
     return DilatedAttentionFunction.forward(*args)  # nothing to differentiate: skip autograd's bookkeeping

@@ -13,8 +13,9 @@ sees, so each block's kernel backward, given the *merged* output and LSE, yields
 the exact gradient of the whole function; the block gradients are added into
 ``dq, dk, dv`` in place. The LSE is differentiable too: its gradient enters each
 block's backward as a shift of the softmax's row term (see :func:`_attend_backward`).
-Only the inputs, the mask, the dropout seed, the output and the LSE are saved (and,
-across processes, the rows received from other ranks, kept by the exchange).
+Only the inputs, the mask, the dropout seed, the rows flagged non-finite, the output
+and the LSE are saved (and, across processes, the rows received from other ranks,
+kept by the exchange).
 
 ``head_groups`` uses the same path: its blocks never overlap, so each result is
 written once, with the final ``1 / G`` applied as it is written.
@@ -49,8 +50,7 @@ class EngineConfig:
     :mod:`dilated_attention.ops.kernels`; ``query_position``, ``key_position``: the
     sequence positions of the first row of ``q`` and of ``k, v``; ``batch_rows``: the
     batch rows of the caller's tensors that these are (``None``: all, in order).
-    The last three key the dropout masks. ``keys_checked``: the call's key flags
-    (see :func:`engine_forward`) say which key rows are non-finite. ``fused``: the
+    The last three key the dropout masks. ``fused``: the
     call runs the fused Triton kernels, which take the whole plan in one launch
     (``blocks`` and ``kernel`` are then unused).
     """
@@ -65,7 +65,6 @@ class EngineConfig:
     query_position: int = 0
     key_position: int = 0
     batch_rows: tuple[int, ...] | None = None
-    keys_checked: bool = False
     fused: FusedPlan | None = None
 
 
@@ -377,23 +376,13 @@ def _keys_are_queries(cfg: EngineConfig) -> bool:
     return all(block.keys == block.queries for block in cfg.blocks)
 
 
-def _key_flags(k, v, key_flags, cfg: EngineConfig):
-    """The non-finite key rows: the caller's (``cfg.keys_checked``), else found here."""
-    return key_flags if cfg.keys_checked else nonfinite_rows(k, v)
-
-
-def _any_nonfinite(q, k, v, key_flags, cfg: EngineConfig) -> bool:
-    """Whether ``q``, ``k`` or ``v`` may hold a NaN or an infinity (the fused kernels then
-    check every tile they load)."""
-    return nonfinite_rows(q) is not None or _key_flags(k, v, key_flags, cfg) is not None
-
-
-def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchange=None):
+def engine_forward(q, k, v, padding, seed, query_flags, key_flags, cfg: EngineConfig, exchange=None):
     """Output ``(B, Lq, H, D)`` in ``q.dtype`` and LSE ``(B, Lq, H)``; see module docstring.
 
     ``seed``: 0-dim int64 tensor of the dropout masks, or ``None`` without dropout.
-    ``key_flags``: ``(B, Lk, H)`` bool, the key rows known to hold non-finite values
-    when ``cfg.keys_checked`` (``None``: none), else ignored.
+    ``query_flags`` ``(B, Lq, H)``, ``key_flags`` ``(B, Lk, H)``: bool, the rows of ``q``
+    and of ``k, v`` that hold a NaN or an infinity (:func:`nonfinite_rows`; ``None``:
+    none; the fused kernels then check every tile they load).
     ``exchange`` (a :class:`dilated_attention.ops.distributed.Exchange`, or ``None``) has
     posted the transfer of other ranks' rows; it is finished after the local blocks
     have run, so that the transfer overlaps them, and its blocks are merged in."""
@@ -409,18 +398,17 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
             plan.is_causal,
             cfg.scale,
             cfg.out_scale,
-            _any_nonfinite(q, k, v, key_flags, cfg),
+            query_flags is not None or key_flags is not None,
         )
     batch, length, heads, dim = q.shape
     out = _buffer(q.shape, _accumulation_dtype(q.dtype, cfg, exchange is not None), q.device, cfg, 0.0)
     lse = _buffer((batch, length, heads), accumulator(q.dtype), q.device, cfg, -math.inf)
-    bad_q = nonfinite_rows(q)
-    sources = [KeySource(k, v, padding, cfg.key_position, bad=_key_flags(k, v, key_flags, cfg))]
+    sources = [KeySource(k, v, padding, cfg.key_position, bad=key_flags)]
     groups = heads // k.shape[2]  # grouped-query attention (one process only)
 
     def run(blocks):
         for block in _calls(blocks, cfg.max_call_elements, batch, dim):
-            o, o_lse = _attend(cfg, _call(cfg, block, q, bad_q, sources[block.source], seed, groups))
+            o, o_lse = _attend(cfg, _call(cfg, block, q, query_flags, sources[block.source], seed, groups))
             o, o_lse = _from_kernel(o, batch), _from_kernel(o_lse, batch)
             out_view, lse_view = block.queries.select(out), block.queries.select(lse)
             if block.fresh:
@@ -437,9 +425,12 @@ def engine_forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchang
     return out.to(q.dtype), lse
 
 
-def engine_backward(grad_out, grad_lse, q, k, v, padding, seed, key_flags, out, lse, cfg: EngineConfig, exchange=None):
+def engine_backward(
+    grad_out, grad_lse, q, k, v, padding, seed, query_flags, key_flags, out, lse, cfg: EngineConfig, exchange=None
+):
     """``dq, dk, dv`` given ``grad_out`` and ``grad_lse`` (either may be ``None``: no
-    gradient reaches that output); ``out``/``lse`` as returned by :func:`engine_forward`.
+    gradient reaches that output); the other arguments as :func:`engine_forward` took
+    them, ``out``/``lse`` as it returned them.
 
     With ``out_scale = s`` (``head_groups``) the kernel must differentiate the
     unscaled output ``O = out / s`` for the gradient ``s * grad_out``; being linear
@@ -465,7 +456,7 @@ def engine_backward(grad_out, grad_lse, q, k, v, padding, seed, key_flags, out, 
             plan.is_causal,
             cfg.scale,
             cfg.out_scale,
-            _any_nonfinite(q, k, v, key_flags, cfg),
+            query_flags is not None or key_flags is not None,
         )
     batch, _, _, dim = q.shape
     remote_sources, remote_blocks = exchange.received if exchange is not None else ([], [])
@@ -487,15 +478,14 @@ def engine_backward(grad_out, grad_lse, q, k, v, padding, seed, key_flags, out, 
         no_key = no_key | dead
     lse = lse.masked_fill(no_key, math.inf)
     lse_grad = None if grad_lse is None else grad_lse.masked_fill(no_key, 0.0) / cfg.out_scale
-    bad_q = nonfinite_rows(q)
-    sources = [KeySource(k, v, padding, cfg.key_position, bad=_key_flags(k, v, key_flags, cfg)), *remote_sources]
+    sources = [KeySource(k, v, padding, cfg.key_position, bad=key_flags), *remote_sources]
 
     def block_grads(block: Block):
         """``dq, dk, dv`` of one block, ``(B, nseg, rows, h or h_k, D)``, and its key rows."""
         ob, gb, lb = (_to_kernel(block.queries.select(t)) for t in (out, grad_out, lse))
         ob = ob / cfg.out_scale if cfg.out_scale != 1.0 else ob
         glb = None if lse_grad is None else _to_kernel(block.queries.select(lse_grad))
-        call = _call(cfg, block, q, bad_q, sources[block.source], seed, groups)
+        call = _call(cfg, block, q, query_flags, sources[block.source], seed, groups)
         return [_from_kernel(g, batch) for g in _attend_backward(cfg, call, gb, ob, lb, glb)], call.keys
 
     remote_dq, remote_key_grads = [], []
@@ -523,8 +513,9 @@ def engine_backward(grad_out, grad_lse, q, k, v, padding, seed, key_flags, out, 
 class DilatedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper of the engine: inputs ``q`` ``(B, Lq, H, D)``, ``k, v``
     ``(B, Lk, H_kv, D)`` (``H_kv`` divides ``H``; last dims unit-stride), an optional bool ``padding`` ``(B, Lk)``,
-    the dropout ``seed`` and the ``key_flags`` (see :func:`engine_forward`); outputs
-    ``out`` and ``lse``, both differentiable.
+    the dropout ``seed`` and the ``query_flags`` and ``key_flags`` (see
+    :func:`engine_forward`: found once, for the backward too); outputs ``out`` and
+    ``lse``, both differentiable.
 
     ``exchange`` (a :class:`dilated_attention.ops.distributed.Exchange`, or ``None``)
     makes the inputs one rank's shard: other ranks' key/value rows are received while
@@ -533,15 +524,15 @@ class DilatedAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(q, k, v, padding, seed, key_flags, cfg: EngineConfig, exchange=None):
+    def forward(q, k, v, padding, seed, query_flags, key_flags, cfg: EngineConfig, exchange=None):
         if exchange is not None:
             exchange.start_forward(k, v, padding)
-        return engine_forward(q, k, v, padding, seed, key_flags, cfg, exchange)
+        return engine_forward(q, k, v, padding, seed, query_flags, key_flags, cfg, exchange)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, padding, seed, key_flags, cfg, exchange = inputs
-        ctx.save_for_backward(q, k, v, padding, seed, key_flags, *output)
+        q, k, v, padding, seed, query_flags, key_flags, cfg, exchange = inputs
+        ctx.save_for_backward(q, k, v, padding, seed, query_flags, key_flags, *output)
         ctx.cfg, ctx.exchange = cfg, exchange
         ctx.set_materialize_grads(False)
 
@@ -555,7 +546,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
                 "create_graph=True, e.g. for a gradient penalty): its gradient is not itself "
                 "differentiable, so it is refused rather than silently cut from the graph"
             )
-        q, k, v, padding, seed, key_flags, out, lse = ctx.saved_tensors
+        q, k, v, padding, seed, query_flags, key_flags, out, lse = ctx.saved_tensors
         grads = engine_backward(
             None if grad_out is None else contiguous_last_dim(grad_out),
             grad_lse,
@@ -564,6 +555,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
             v,
             padding,
             seed,
+            query_flags,
             key_flags,
             out,
             lse,
@@ -571,4 +563,4 @@ class DilatedAttentionFunction(torch.autograd.Function):
             ctx.exchange,
         )
         dq, dk, dv = (g.to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
