@@ -265,6 +265,26 @@ def test_training_through_the_cache_with_only_queries_requiring_grad():
     assert max_relative_error(grad, ref_grad) <= 1e-12
 
 
+def test_gradients_of_a_chunk_with_a_non_finite_key_survive_later_chunks():
+    """A chunk's backward keeps the non-finite flags of its keys as they were: later
+    chunks append in place, and the gradient is still the reference's (finite, the
+    rows the NaN reaches passing none back)."""
+    segs, rates = [4, 8], [1, 2]
+    (q, k, v), _, _ = random_inputs(4, 1, 10, 2, 3)
+    with torch.no_grad():
+        k[0, 2, 1, 0] = float("nan")
+    cache = DilatedKVCache(1, 2, 3, segs, rates, dtype=torch.float64)
+    first = cache.attend(q[:, :6], k[:, :6], v[:, :6])
+    cache.attend(q[:, 6:], k[:, 6:], v[:, 6:])
+    grads = torch.autograd.grad(first.nan_to_num().square().sum(), (q, k, v))
+    window = [t.detach()[:, :6].requires_grad_() for t in (q, k, v)]
+    ref, _ = reference_dilated_attention(*window, segs, rates, is_causal=True)
+    ref_grads = torch.autograd.grad(ref.nan_to_num().square().sum(), window)
+    assert torch.isnan(first).any() and not torch.isnan(first).all()
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert torch.isfinite(grad).all() and max_relative_error(grad[:, :6], ref_grad) <= 1e-12
+
+
 def test_inference_mode_then_normal_use_and_canonical_devices():
     cache = DilatedKVCache(1, 2, 3, [4, 8], [1, 2], device="cpu:0")
     x = torch.randn(1, 5, 2, 3)

@@ -173,10 +173,11 @@ def test_rows_at_any_positions_share_branch_and_window_calls(row_call, cfg, data
             assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize(("starts", "shared"), [([0, 1, 0, 1, 0], slice(0, 5, 2)), ([0, 0, 1, 0, 1], (0, 1, 3))])
-def test_rows_of_a_phase_share_a_call_as_a_view_or_gathered(starts, shared, monkeypatch):
+def test_rows_of_a_phase_share_a_call_as_a_view_or_gathered(starts, shared, dtype, monkeypatch):
     """Rows of one phase evenly spaced in the batch are one strided view of it; others
-    are gathered. Either way each row's output is the reference's."""
+    are gathered. Either way each row's output is the reference's, in low precision too."""
     attn = dict(segment_lengths=[8, 16], dilation_rates=[1, 2], mode="mixture", head_offsets="interleaved")
     (q, k, v), _, _ = random_inputs(len(starts), 5, 21, 4, 8)
     q, k, v = (t.detach() for t in (q, k, v))
@@ -185,13 +186,16 @@ def test_rows_of_a_phase_share_a_call_as_a_view_or_gathered(starts, shared, monk
     last = [s + 20 for s in starts]
     calls = decode.branch_calls(tables, last)[1]
     assert calls is not None and shared in [call.rows for call in calls if call.r == 2]
-    out, lse = decode.branch_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), last, tables, 8**-0.5, calls)
+    low = [t.to(dtype) for t in (q[:, -1:], k.transpose(1, 2), v.transpose(1, 2))]
+    out, lse = decode.branch_attention(*low, last, tables, 8**-0.5, calls)
+    assert out.dtype == dtype
+    tolerance = 1e-10 if dtype == torch.float64 else TOLERANCES[dtype]
     for row, start in enumerate(starts):
         ref, ref_lse = reference_dilated_attention(
             q[row : row + 1, -1:], k[row : row + 1], v[row : row + 1], key_offset=start, is_causal=True, **attn
         )
-        assert max_relative_error(out[row : row + 1], ref) <= 1e-10
-        assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10
+        assert max_relative_error(out[row : row + 1], ref) <= tolerance
+        assert lse_error(lse[row : row + 1], ref_lse) <= tolerance
 
 
 @settings(max_examples=60)

@@ -407,27 +407,30 @@ class DilatedKVCache(CacheSettings):
             groups.setdefault(position, []).append(row)
         keys = self._k[:, :, : first_slot + length].transpose(1, 2)
         values = self._v[:, :, : first_slot + length].transpose(1, 2)
+        flags = None if self._bad is None else self._bad[:, : first_slot + length]
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            # Autograd keeps the keys it used: a copy, as the buffers change in place, with
-            # the new rows' graph.
+            # Autograd keeps the keys and their flags for the backward: copies, as the
+            # buffers change in place, the keys with the new rows' graph.
             keys, values = torch.cat([keys[:, :first_slot], k], 1), torch.cat([values[:, :first_slot], v], 1)
+            flags = None if flags is None else flags.clone()
         parts, order = [], []
         for position, rows in groups.items():
-            parts.append(self._attend_group(q, keys, values, position, rows, first_slot))
+            parts.append(self._attend_group(q, keys, values, flags, position, rows, first_slot))
             order.extend(rows)
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts).index_select(0, torch.tensor(order, device=self.device).argsort())
 
-    def _attend_group(self, q, k, v, position: int, rows: list[int], first_slot: int) -> torch.Tensor:
+    def _attend_group(self, q, k, v, flags, position: int, rows: list[int], first_slot: int) -> torch.Tensor:
         """The output of the sequences ``rows``, all at ``position``, given keys and
-        values ``(B, slots, H, D)`` whose new rows start at slot ``first_slot``."""
+        values ``(B, slots, H, D)`` whose new rows start at slot ``first_slot`` and their
+        non-finite flags ``(B, slots, H)`` (``None``: none)."""
         length = q.shape[1]
         first_query = max(position, 0)  # negative positions are padding: they output 0
         window = _needed_from(first_query, self.segment_lengths)
         slots = slice(first_slot + window - position, first_slot + length)
         k, v = k[:, slots], v[:, slots]
-        flags = None if self._bad is None else self._bad[:, slots]
+        flags = None if flags is None else flags[:, slots]
         if len(rows) < self.shape[0]:
             index = torch.tensor(rows, device=self.device)
             q, k, v = (t.index_select(0, index) for t in (q, k, v))

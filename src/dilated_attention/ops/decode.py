@@ -512,8 +512,8 @@ def _combine(parts, branches: int, shape: tuple[int, int, int, int], out_scale: 
         return parts[0][3].to(acc), parts[0][4]
     outs = torch.zeros((branches, *shape), dtype=acc, device=device)
     lses = torch.full((branches, *shape[:3]), -math.inf, dtype=acc, device=device)
-    for branch, heads, rows, o, lse in parts:
-        outs[branch, rows, heads] = o
+    for branch, heads, rows, o, lse in parts:  # gathered rows (an index tensor) take no other dtype
+        outs[branch, rows, heads] = o.to(acc)
         lses[branch, rows, heads] = lse
     lse = lses.logsumexp(0)
     weights = (lses - lse).exp_().nan_to_num_(0.0)  # a head no part covers: -inf - -inf
