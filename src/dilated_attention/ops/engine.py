@@ -50,9 +50,9 @@ class EngineConfig:
     :mod:`dilated_attention.ops.kernels`; ``query_position``, ``key_position``: the
     sequence positions of the first row of ``q`` and of ``k, v``; ``batch_rows``: the
     batch rows of the caller's tensors that these are (``None``: all, in order).
-    The last three key the dropout masks. ``fused``: the
-    call runs the fused Triton kernels, which take the whole plan in one launch
-    (``blocks`` and ``kernel`` are then unused).
+    The last three key the dropout masks. ``fused``: the call runs the fused Triton
+    kernels, which take the whole plan in one launch (``blocks`` and ``kernel`` are
+    then unused).
     """
 
     blocks: tuple[Block, ...]
