@@ -6,11 +6,15 @@
 # of the lease); the benchmark with the autotuner on, side by side in one run: dense
 # SDPA (FlashAttention), FlexAttention computing the same mixture, the library on its
 # fused Triton kernels and on PyTorch's kernels at N=32768, then the fused kernels
-# alone at N=1M; one-token decoding at 4K, 64K and 1M. Everything goes into OUTDIR.
+# alone at N=1M; one-token decoding at 4K, 64K and 1M (eager and captured in a CUDA
+# graph, one sequence and batches of 8). Everything goes into OUTDIR. Naming steps runs
+# only those (check, tests, bench, bench-1m, decode), in that order.
 #
-#     PYTHONPATH=src bash benchmarks/gpu.sh OUTDIR
+#     PYTHONPATH=src bash benchmarks/gpu.sh OUTDIR [STEP...]
 set -u
-out=${1:?usage: bash benchmarks/gpu.sh OUTDIR}
+out=${1:?usage: bash benchmarks/gpu.sh OUTDIR [check|tests|bench|bench-1m|decode ...]}
+shift
+wanted=" ${*:-check tests bench bench-1m decode} "
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-src}
 card=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
@@ -23,6 +27,7 @@ cat "$out/versions-$card.txt"
 step() {  # name, seconds, command...
     local name=$1 seconds=$2
     shift 2
+    [[ $wanted == *" $name "* ]] || return 0
     local start=$SECONDS
     timeout "$seconds" "$@" > "$out/$name-$card.txt" 2>&1
     echo "$name: exit $? in $((SECONDS - start)) s"
@@ -31,7 +36,7 @@ step() {  # name, seconds, command...
 
 export DILATED_ATTENTION_TRITON_TUNE=0
 step check 120 python3 -m dilated_attention check --device cuda --dtype bfloat16 float16 --kernel triton
-step tests 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py
+step tests 200 python3 -m pytest -q --maxfail=3 -p no:cacheprovider tests/test_cuda.py
 unset DILATED_ATTENTION_TRITON_TUNE
 step bench 180 python3 -m dilated_attention bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
     --seq-lens 32768 --impl dense flex mixture mixture-torch --repeats 5 --max-seconds 20 --no-plot --quiet \
@@ -39,6 +44,6 @@ step bench 180 python3 -m dilated_attention bench --device cuda --dtype bfloat16
 step bench-1m 90 python3 -m dilated_attention bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
     --seq-lens 1048576 --impl mixture --repeats 3 --max-seconds 30 --no-plot --quiet \
     --out-dir "$out" --name "bench-1m-cuda-bfloat16-$card"
-step decode 60 python3 -m dilated_attention decode-bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
+step decode 240 python3 -m dilated_attention decode-bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
     --positions 4096 65536 1048576 --steps 50 --dense-steps 10 --no-plot --out-dir "$out" \
     --name "decode-cuda-bfloat16-$card"

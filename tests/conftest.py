@@ -1,10 +1,12 @@
 import os
 
-# The fused Triton kernels run in Triton's interpreter on the CPU, which Triton picks
-# when it is imported: before anything (transformers, torch.compile) imports it.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch
+
+# Without a GPU the fused Triton kernels run in Triton's interpreter on the CPU, which
+# Triton picks when it is imported: before anything (transformers, torch.compile)
+# imports it. With one, the CUDA tests run them compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(

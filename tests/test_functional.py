@@ -330,6 +330,29 @@ def test_cuda_kernel_non_square_calls_fit_the_op_schemas():
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_operands_are_aligned(dtype):
+    """PyTorch's fused CUDA kernels have no variant for a start or stride off 16 bytes
+    on recent GPUs (seen on an H100: one head of a ``(B, L, H, D)`` tensor carries a
+    stride of 1): strides of dims of size 1 are restated, other misalignments copied,
+    the values unchanged."""
+    from dilated_attention.ops.kernels import CUDA_ADDRESS_ALIGNMENT, _pad_head_dim
+
+    gen = torch.Generator().manual_seed(3)
+    one_head = torch.randn(2, 7, 1, 8, generator=gen).to(dtype).as_strided((2, 1, 7, 8), (56, 1, 8, 1))
+    shifted = torch.randn(1 + 2 * 3 * 5 * 8, generator=gen).to(dtype)[1:].view(2, 3, 5, 8)  # start off by 1 element
+    odd_dim = torch.randn(2, 5, 3, 5, generator=gen).to(dtype).transpose(1, 2)
+    unit = CUDA_ADDRESS_ALIGNMENT // one_head.element_size()
+    for tensor in (one_head, shifted, odd_dim):
+        for output_layout in (False, True):
+            (aligned,) = _pad_head_dim(tensor, output_layout=output_layout)
+            assert aligned.data_ptr() % CUDA_ADDRESS_ALIGNMENT == 0 and aligned.stride(-1) == 1
+            assert all(stride % unit == 0 for stride in aligned.stride()[:-1])
+            assert torch.equal(aligned[..., : tensor.shape[-1]], tensor)
+            assert not aligned[..., tensor.shape[-1] :].any()
+    assert _pad_head_dim(one_head)[0].data_ptr() == one_head.data_ptr()  # restated, not copied
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_cuda_flash_kernel_calls_fit_the_op_schemas(masked):
     """The FlashAttention kernel on meta tensors, through the whole pipeline, with

@@ -235,6 +235,7 @@ class CpuFlashKernel:
 CUDA_HEAD_DIM_ALIGNMENT = 8  # of the head dim
 CUDA_BIAS_ALIGNMENT = 16  # of a bias row's start
 CUDA_LSE_ALIGNMENT = 32  # of the LSE width its backward expects (CUDA, not ROCm)
+CUDA_ADDRESS_ALIGNMENT = 16  # bytes: of an operand's start and of each of its strides
 
 
 def _cuda_bias(bias, heads, q_len, k_len):
@@ -258,8 +259,33 @@ def _pad_head_dim(*tensors, output_layout: bool = False):
     dim = tensors[0].shape[-1]
     pad = round_up(dim, CUDA_HEAD_DIM_ALIGNMENT) - dim
     if output_layout:
-        return [torch.nn.functional.pad(t, (0, pad)).transpose(1, 2).contiguous().transpose(1, 2) for t in tensors]
-    return [torch.nn.functional.pad(t, (0, pad)).contiguous() if pad else t for t in tensors]
+        padded = [torch.nn.functional.pad(t, (0, pad)).transpose(1, 2).contiguous().transpose(1, 2) for t in tensors]
+    else:
+        padded = [torch.nn.functional.pad(t, (0, pad)).contiguous() if pad else t for t in tensors]
+    return [_aligned(t) for t in padded]
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its start and every stride a multiple of 16 bytes, as PyTorch's fused
+    CUDA kernels need on compute capability 8.0 and up (they have no unaligned
+    variant there: "no kernel found to launch"). A dim of size 1 may carry any stride
+    (one head of a ``(batch, L, heads, D)`` tensor seen as ``(batch, heads, L, D)``
+    carries 1): restated, no copy; a misaligned start or stride takes a copy."""
+    unit = CUDA_ADDRESS_ALIGNMENT // t.element_size()
+    t = _restride_unit_dims(t, unit)
+    if t.data_ptr() % CUDA_ADDRESS_ALIGNMENT or t.stride(-1) != 1 or any(s % unit for s in t.stride()[:-1]):
+        t = _restride_unit_dims(t.clone(memory_format=torch.contiguous_format), unit)
+    return t
+
+
+def _restride_unit_dims(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """``t`` with each dim of size 1 given a stride that is a multiple of ``unit`` (1 for
+    the last dim): the same elements, no copy."""
+    extent = max((size * stride for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1), default=1)
+    strides = [stride if size > 1 else round_up(extent, unit) for size, stride in zip(t.shape, t.stride(), strict=True)]
+    if t.shape[-1] == 1:
+        strides[-1] = 1
+    return t if strides == list(t.stride()) else t.as_strided(t.shape, strides, t.storage_offset())
 
 
 def _cuda_lse_width(length: int) -> int:

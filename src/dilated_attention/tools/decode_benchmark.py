@@ -49,8 +49,11 @@ from ..nn.static_cache import StaticKVCache
 from ..utils.plotting import log_log, pyplot, save
 from .benchmark import _seconds, _synchronize, machine_info
 
-# Dense caches larger than this are not measured (they would not fit such a machine).
+# Dense caches larger than this are not measured on a CPU (they would not fit such a
+# machine); on a GPU the limit is a quarter of its memory.
 MAX_DENSE_BYTES = 8 * 2**30
+# A graph-captured step is replayed this many times between two device events.
+GRAPH_REPLAYS = 32
 # Left-padded batches are measured up to this position (each is fed from its start).
 MAX_PADDED_POSITION = 65536
 
@@ -184,12 +187,10 @@ def _dense_cache(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> tuple
     batch, length = len(pads), position + span_of(cfg, position)
     size = (batch, cfg.heads, length, cfg.head_dim)
     nbytes = 2 * math.prod(size) * torch.empty((), dtype=dtype).element_size()
-    if nbytes > MAX_DENSE_BYTES:
+    if nbytes > dense_limit(device):
         return None, nbytes
-    generator = torch.Generator().manual_seed(position)
-    keys = torch.randn(size, generator=generator).to(device, dtype)
-    values = torch.randn(size, generator=generator).to(device, dtype)
-    token = _tokens(cfg, batch, 1, generator)[0].transpose(1, 2)  # (B, H, 1, D)
+    keys, values = _random_keys(size, device, dtype, position)
+    token = _tokens(cfg, batch, 1, torch.Generator().manual_seed(position))[0].transpose(1, 2)  # (B, H, 1, D)
     padded = torch.arange(length, device=device)[None, :] < torch.tensor(pads, device=device)[:, None]
     mask = None if not any(pads) else ~padded[:, None, None, :]  # True: attend
 
@@ -199,6 +200,19 @@ def _dense_cache(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> tuple
         return _sdpa(token, keys[:, :, : at + 1], values[:, :, : at + 1], None if mask is None else mask[..., : at + 1])
 
     return step, nbytes
+
+
+def dense_limit(device: torch.device) -> int:
+    """The largest dense cache measured on ``device``, in bytes."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // 4
+    return MAX_DENSE_BYTES
+
+
+def _random_keys(size, device: torch.device, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of a dense cache: standard normal, drawn on the device."""
+    generator = torch.Generator(device).manual_seed(seed)
+    return tuple(torch.randn(size, generator=generator, device=device, dtype=dtype) for _ in range(2))  # type: ignore[return-value]
 
 
 def _step_seconds(cache: DilatedKVCache, tokens: Sequence[torch.Tensor], i: int, device: torch.device) -> float:
@@ -232,36 +246,40 @@ def _dense_backend(device: torch.device, masked: bool) -> str:
 
 def graph_step_times(cfg: DecodeConfig, position: int, pads: Sequence[int], impl: str) -> list[DecodeRow]:
     """CUDA only: time per token of one step captured in a CUDA graph and replayed:
-    ``dilated-graph`` (:class:`StaticKVCache`) or ``dense-graph`` (a dense cache of a
-    fixed length, attending through a length mask updated in place)."""
+    ``dilated-graph`` (:class:`StaticKVCache`, brought to ``position`` by replays of
+    the graph from the latest common segment boundary at least a ring before it, or
+    from its padding) or ``dense-graph`` (a dense cache of a fixed length filled up to
+    ``position``, attending through a length mask updated in place)."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     batch = len(pads)
     generator = torch.Generator().manual_seed(position)
     inputs = _tokens(cfg, batch, 3, generator)
+    feed = 0  # replays that bring the cache to the position, untimed
     if impl == "dilated-graph":
-        cache = StaticKVCache(
-            batch,
-            cfg.heads,
-            cfg.head_dim,
-            cfg.segment_lengths,
-            cfg.dilation_rates,
-            start=torch.tensor([position - p for p in pads]),
-            dtype=dtype,
-            device=device,
-        )
+        cycle, ring = math.lcm(*cfg.segment_lengths), max(cfg.segment_lengths)
+        base = 0 if any(pads) else max(0, (position - ring) // cycle * cycle)
+        start = torch.tensor([base - p for p in pads])
+        shape = (batch, cfg.heads, cfg.head_dim, cfg.segment_lengths, cfg.dilation_rates)
+        cache = StaticKVCache(*shape, start=start, dtype=dtype, device=device)
         step: Callable[[], object] = lambda: cache.attend(*inputs)  # noqa: E731
-        nbytes = cache.nbytes
+        reset: Callable[[], object] = functools.partial(cache.reset, start)
+        feed, nbytes = position - base, cache.nbytes
     else:
-        length = position + cfg.dense_steps
+        # Filled up to the position; the warm-up steps, the capture's and every replay
+        # each write one more row.
+        length = position + 2 + GRAPH_REPLAYS * cfg.dense_steps
         size = (batch, cfg.heads, length, cfg.head_dim)
         nbytes = 2 * math.prod(size) * torch.empty((), dtype=dtype).element_size()
-        if nbytes > MAX_DENSE_BYTES:
+        if nbytes > dense_limit(device):
             return [DecodeRow(impl, _batch_name(pads), position, None, nbytes, "skipped: the cache would not fit")]
-        keys, values = (torch.randn(size, generator=generator).to(device, dtype) for _ in range(2))
+        keys, values = _random_keys(size, device, dtype, position)
         at = torch.tensor([position], device=device)
         columns = torch.arange(length, device=device)
         first = torch.tensor(pads, device=device)[:, None, None, None]
         token = inputs[0].transpose(1, 2)
+
+        def reset():
+            at.fill_(position)
 
         def step():
             keys.index_copy_(2, at, token)
@@ -278,10 +296,13 @@ def graph_step_times(cfg: DecodeConfig, position: int, pads: Sequence[int], impl
             for _ in range(2):
                 step()
         torch.cuda.current_stream().wait_stream(side)
+        reset()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        times = [_seconds(graph.replay, device) for _ in range(cfg.dense_steps)]
+        for _ in range(feed + 1):
+            graph.replay()
+        times = [_replay_seconds(graph) for _ in range(cfg.dense_steps)]
     return [
         DecodeRow(
             impl,
@@ -292,6 +313,18 @@ def graph_step_times(cfg: DecodeConfig, position: int, pads: Sequence[int], impl
             "CUDA graph" + ("" if impl == "dilated-graph" else ", SDPA over a fixed length, length mask"),
         )
     ]
+
+
+def _replay_seconds(graph: torch.cuda.CUDAGraph) -> float:
+    """Seconds per replay of ``graph``: :data:`GRAPH_REPLAYS` replays back to back
+    between two device events (one replay is shorter than a host clock's round trip)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(GRAPH_REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / GRAPH_REPLAYS
 
 
 def _batch_name(pads: Sequence[int]) -> str:
