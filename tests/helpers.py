@@ -7,7 +7,9 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dilated_attention.functional as functional
+from dilated_attention import StaticKVCache, reference_dilated_attention
 from dilated_attention.ops.plan import HEAD_OFFSETS, MODES, window_start_needed
+from dilated_attention.tools.check import TOLERANCES, max_relative_error
 
 MEMORY_LAYOUTS = ("contiguous", "head_dim_strided", "sliced", "expanded")
 
@@ -161,3 +163,64 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.numel = max(self.numel, t.numel())
         return result
+
+
+def cache_from_config(kind, cfg, attn, pads, **kwargs):
+    """A cache of class ``kind`` (``DilatedKVCache`` or ``StaticKVCache``) for a config
+    drawn by :func:`configs`, row ``b`` left-padded by ``pads[b]``."""
+    return kind(
+        cfg["batch"],
+        cfg["heads"],
+        cfg["head_dim"],
+        attn["segment_lengths"],
+        attn["dilation_rates"],
+        mode=attn["mode"],
+        head_offsets=attn["head_offsets"],
+        softmax_scale=attn["softmax_scale"],
+        start=torch.tensor([-p for p in pads]),
+        **kwargs,
+    )
+
+
+def static_cache(cfg, attn, pads, max_chunk, dtype=torch.float64, kernel=None, device="cpu"):
+    return cache_from_config(
+        StaticKVCache, cfg, attn, pads, max_chunk=max_chunk, dtype=dtype, kernel=kernel, device=device
+    )
+
+
+def feed(cache, tensors, sizes):
+    """The cache's outputs for the whole sequence fed in chunks of ``sizes``."""
+    outs, at = [], 0
+    for size in sizes:
+        outs.append(cache.attend(*(t[:, at : at + size] for t in tensors)))
+        at += size
+    return torch.cat(outs, 1)
+
+
+@st.composite
+def chunks(draw, total, most):
+    sizes = []
+    while sum(sizes) < total:
+        sizes.append(draw(st.integers(1, min(most, total - sum(sizes)))))
+    return sizes
+
+
+def kernel_against_reference(data, cfg, dtype, device, most_rows=3):
+    """A static cache on the fused Triton launches, fed chunks of up to ``most_rows``
+    rows of left-padded sequences, some values NaN or infinite: each sequence's rows
+    are the reference's on it, the padding's rows 0."""
+    cfg = dict(cfg, is_causal=True, masked=False)
+    inputs, attn = split_config(cfg)
+    tensors = [t.detach().clone() for t in random_inputs(dtype=dtype, **inputs)[0]]
+    if data.draw(st.booleans()):
+        poison(data, tensors, most=2)
+    pads = [data.draw(st.integers(0, cfg["seq_len"] - 1)) for _ in range(cfg["batch"])]
+    max_chunk = data.draw(st.integers(1, most_rows))
+    cache = static_cache(cfg, attn, pads, max_chunk, dtype, kernel="triton", device=device)
+    out = feed(cache, [t.to(device) for t in tensors], data.draw(chunks(cfg["seq_len"], max_chunk))).cpu()
+    scale = max(1.0, abs(attn["softmax_scale"] or 0.0)) ** 2  # |scale| > 1 amplifies the inputs' rounding
+    for row, pad in enumerate(pads):
+        ref, _ = reference_dilated_attention(*(t[row : row + 1, pad:].double() for t in tensors), **attn)
+        assert out.dtype == dtype and max_relative_error(out[row : row + 1, pad:], ref) <= TOLERANCES[dtype] * scale
+        assert torch.all(out[row, :pad] == 0)
+    assert cache.position.tolist() == [cfg["seq_len"] - p for p in pads]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, reference_dilated_attention
 from dilated_attention.tools.check import TOLERANCES, max_relative_error
-from helpers import configs, random_inputs, split_config
+from helpers import configs, feed, random_inputs, split_config
 
 
 @st.composite
@@ -29,15 +29,6 @@ def make_cache(cfg, tensors, **kwargs):
     return DilatedKVCache(
         batch, heads, dim, cfg["segment_lengths"], cfg["dilation_rates"], dtype=tensors[0].dtype, **attn, **kwargs
     )
-
-
-def feed(cache, tensors, sizes):
-    """The cache's outputs for the whole sequence fed in chunks of ``sizes``."""
-    outs, at = [], 0
-    for size in sizes:
-        outs.append(cache.attend(*(t[:, at : at + size] for t in tensors)))
-        at += size
-    return torch.cat(outs, 1)
 
 
 @given(configs(max_len=40), st.data())

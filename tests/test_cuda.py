@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
-from helpers import configs, random_inputs, split_config
+from helpers import configs, kernel_against_reference, random_inputs, split_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -181,6 +181,15 @@ def test_auto_runs_the_fused_kernels_on_cuda_for_half_precision():
     assert fused.use_triton(half, 0.0, False, None) == (importlib.util.find_spec("triton") is not None)
     assert not fused.use_triton(half.float(), 0.0, False, None)  # float32: PyTorch's kernels unless asked
     assert not fused.use_triton(half, 0.1, False, None)  # dropout: the unfused kernel
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@settings(max_examples=30, deadline=None)
+@given(configs(max_len=70, max_heads=6), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.data())
+def test_static_cache_kernel_on_cuda_matches_the_reference(cfg, dtype, data):
+    """The static cache's fused launches, compiled: every mode, head mapping, scale,
+    chunking and padding, with NaN and infinities, the ring wrapping around."""
+    kernel_against_reference(data, cfg, dtype, "cuda")
 
 
 def test_a_static_cache_step_replays_from_a_cuda_graph():

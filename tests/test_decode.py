@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dilated_attention import reference_dilated_attention
 from dilated_attention.ops import decode
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
-from helpers import configs, random_inputs, split_config, windows
+from helpers import cache_from_config, configs, random_inputs, split_config, windows
 
 
 def tables_of(attn, heads):
@@ -123,18 +123,7 @@ def test_left_padded_decoding_either_way_is_the_definition(cost, cfg, data):
     inputs, attn = split_config(cfg)
     tensors = [t.detach() for t in random_inputs(**inputs)[0]]
     pads = [data.draw(st.integers(0, cfg["seq_len"] - 1)) for _ in range(cfg["batch"])]
-    cache = DilatedKVCache(
-        cfg["batch"],
-        cfg["heads"],
-        cfg["head_dim"],
-        attn["segment_lengths"],
-        attn["dilation_rates"],
-        mode=attn["mode"],
-        head_offsets=attn["head_offsets"],
-        softmax_scale=attn["softmax_scale"],
-        start=torch.tensor([-p for p in pads]),
-        dtype=torch.float64,
-    )
+    cache = cache_from_config(DilatedKVCache, cfg, attn, pads, dtype=torch.float64)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode, "BRANCH_CALLS_COST", cost)
         out = torch.cat([cache.attend(*(t[:, i : i + 1] for t in tensors)) for i in range(cfg["seq_len"])], 1)

@@ -1,48 +1,19 @@
 """StaticKVCache: the same rows as the reference, with fixed shapes, and a decode
 loop that compiles once under torch.compile(fullgraph=True)."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch._dynamo
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, StaticKVCache, reference_dilated_attention
 from dilated_attention.models import LongNetConfig, LongNetLM
 from dilated_attention.tools.check import TOLERANCES, max_relative_error
-from helpers import configs, poison, random_inputs, split_config
-
-
-def static_cache(cfg, attn, pads, max_chunk, dtype=torch.float64):
-    return StaticKVCache(
-        cfg["batch"],
-        cfg["heads"],
-        cfg["head_dim"],
-        attn["segment_lengths"],
-        attn["dilation_rates"],
-        mode=attn["mode"],
-        head_offsets=attn["head_offsets"],
-        softmax_scale=attn["softmax_scale"],
-        start=torch.tensor([-p for p in pads]),
-        max_chunk=max_chunk,
-        dtype=dtype,
-    )
-
-
-def feed(cache, tensors, sizes):
-    out, at = [], 0
-    for size in sizes:
-        out.append(cache.attend(*(t[:, at : at + size] for t in tensors)))
-        at += size
-    return torch.cat(out, 1)
-
-
-@st.composite
-def chunks(draw, total, most):
-    sizes = []
-    while sum(sizes) < total:
-        sizes.append(draw(st.integers(1, min(most, total - sum(sizes)))))
-    return sizes
+from helpers import chunks, configs, feed, kernel_against_reference, poison, random_inputs, split_config, static_cache
 
 
 @given(configs(max_len=36), st.integers(1, 4), st.data())
@@ -72,6 +43,18 @@ def test_static_low_precision(cfg, dtype):
     out = feed(static_cache(cfg, attn, [0] * cfg["batch"], 1, dtype), tensors, [1] * cfg["seq_len"])
     ref, _ = reference_dilated_attention(*(t.double() for t in tensors), **attn)
     assert out.dtype == dtype and max_relative_error(out, ref) <= TOLERANCES[dtype]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1 before Triton is imported: conftest.py)",
+)
+@settings(max_examples=int(os.environ.get("TRITON_MAX_EXAMPLES", "6")))
+@given(configs(max_len=14, max_heads=3), st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.data())
+def test_static_kernel_rows_are_the_whole_sequence_rows(cfg, dtype, data):
+    """The fused launches (in Triton's interpreter) of every mode, head mapping, scale,
+    chunking and padding, with NaN and infinities, against the reference."""
+    kernel_against_reference(data, cfg, dtype, "cpu")
 
 
 def test_a_compiled_decode_loop_compiles_once():
@@ -135,3 +118,14 @@ def test_static_cache_refuses_what_it_cannot_take():
         StaticKVCache(1, 2, 4, [8], [1], max_chunk=0)
     with pytest.raises(ValueError, match="use DilatedKVCache"):
         StaticKVCache(1, 2, 4, [2**40], [1])
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        StaticKVCache(1, 2, 4, [8], [1], kernel="cuda")
+    wide = StaticKVCache(1, 2, 4, [8], [1], dtype=torch.float64, kernel="triton")
+    x = torch.randn(1, 1, 2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"kernel='triton' cannot run this step: torch\.float64 is not fused"):
+        wide.attend(x, x, x)
+    assert wide.position.tolist() == [0]  # refused before anything was written
+    if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1":
+        fused = StaticKVCache(1, 2, 4, [8], [1], kernel="triton")
+        with pytest.raises(ValueError, match=r"no backward \(q requires grad\)"):
+            fused.attend(x.float().requires_grad_(), x.float(), x.float())

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
 from dilated_attention.ops import fused
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
-from helpers import configs, poison, random_inputs, split_config, windows
+from helpers import cache_from_config, configs, poison, random_inputs, split_config, windows
 
 pytest.importorskip("triton")
 # conftest.py sets TRITON_INTERPRET=1 before anything imports Triton.
@@ -127,17 +127,7 @@ def test_decode_steps_through_the_cache_run_the_fused_kernels(cfg, data):
     batch, total = cfg["batch"], cfg["seq_len"]
     pads = [data.draw(st.integers(0, total - 1)) for _ in range(batch)]
     prompt = data.draw(st.integers(1, total))
-    cache = DilatedKVCache(
-        batch,
-        cfg["heads"],
-        cfg["head_dim"],
-        attn["segment_lengths"],
-        attn["dilation_rates"],
-        mode=attn["mode"],
-        head_offsets=attn["head_offsets"],
-        softmax_scale=attn["softmax_scale"],
-        start=torch.tensor([-p for p in pads]),
-    )
+    cache = cache_from_config(DilatedKVCache, cfg, attn, pads)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(fused.KERNEL_ENV, "triton")
         outs = [cache.attend(*(t[:, :prompt] for t in tensors))]
@@ -267,5 +257,5 @@ def test_compiled_calls_take_the_engine_path():
     compiled = torch.compile(auto, backend="eager", fullgraph=True)
     assert torch.allclose(compiled(q), auto(q), atol=1e-6)
     forced = torch.compile(lambda q: dilated_attention(q, q, q, [4], [1], kernel="triton"), backend="eager")
-    with pytest.raises(Exception, match=r"under torch\.compile and CUDA graph capture"):
+    with pytest.raises(Exception, match=r"under torch\.compile the calls run PyTorch's operations"):
         forced(q)

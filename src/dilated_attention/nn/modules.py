@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -223,11 +224,8 @@ class MultiheadDilatedAttention(nn.Module):
         if dtype is None and torch.is_autocast_enabled(weight.device.type):
             dtype = torch.get_autocast_dtype(weight.device.type)
         attention = self.attention
-        kind, extra = (
-            (StaticKVCache, {"max_chunk": max_chunk})
-            if validation.check_flag(static, "static")
-            else (DilatedKVCache, {})
-        )
+        kind: Any = StaticKVCache if validation.check_flag(static, "static") else DilatedKVCache
+        extra = {"max_chunk": max_chunk} if kind is StaticKVCache else {}
         return kind(
             batch,
             self.num_heads,

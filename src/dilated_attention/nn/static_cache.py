@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops import validation
+from ..ops import fused, validation
 from ..ops.decode import ring_counts
 from ..ops.kernels import accumulator
 from ..ops.plan import branch_table
@@ -36,7 +36,13 @@ class StaticKVCache(CacheSettings):
     the window a step needs and is the faster one without compilation.
 
     The arguments are :class:`DilatedKVCache`'s (``start`` left-pads the same way),
-    plus ``max_chunk``: the most positions one call takes.
+    plus ``max_chunk``: the most positions one call takes, and ``kernel``: ``"auto"``
+    (the default, or ``$DILATED_ATTENTION_KERNEL``) runs a step on CUDA as three fused
+    Triton launches (:mod:`dilated_attention.ops.ring_decode`) whose arguments never
+    change, so a CUDA graph captures them, and elsewhere, under ``torch.compile`` or
+    where ``q`` requires grad as PyTorch operations (gradients reach ``q``; keys are
+    stored detached); ``"triton"`` asks for the launches (on the CPU in Triton's
+    interpreter), ``"torch"`` for the operations. Both compute the same rows.
     """
 
     def __init__(
@@ -54,6 +60,7 @@ class StaticKVCache(CacheSettings):
         max_chunk: int = 1,
         dtype: torch.dtype = torch.float32,
         device=None,
+        kernel: str | None = None,
     ):
         self._configure(
             batch,
@@ -68,10 +75,17 @@ class StaticKVCache(CacheSettings):
             device,
         )
         self.max_chunk = validation.check_positive_int(max_chunk, "max_chunk")
+        fused.requested(kernel)  # a ValueError for an unknown choice, before anything is made
+        self.kernel = kernel
         table = branch_table(self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets)
         self._branches = (table.segment_lengths, table.rates)
         self._offsets = torch.tensor(table.offsets, dtype=torch.int64, device=self.device).T.contiguous()
         self._out_scale = 1.0 if self.mode == "mixture" else 1.0 / len(self.segment_lengths)
+        self._kernel_branches = (
+            torch.tensor(self._branches[0], dtype=torch.int64, device=self.device),
+            torch.tensor(self._branches[1], dtype=torch.int64, device=self.device),
+            self._offsets,
+        )
         self.capacity = max(self.segment_lengths) - 1 + self.max_chunk
         if self.capacity > MAX_CAPACITY:
             raise ValueError(
@@ -140,6 +154,8 @@ class StaticKVCache(CacheSettings):
                     f"{self.device}, got {t.shape[1]}, {t.dtype} on {t.device}"
                 )
         length = q.shape[1]
+        if self._takes_kernel(q):
+            return self._attend_fused(q, k, v)
         queries = self._next[:, None] + torch.arange(length, device=self.device)  # (B, L)
         slots = queries % self.capacity
         bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1)).transpose(1, 2)  # (B, H, L)
@@ -162,3 +178,37 @@ class StaticKVCache(CacheSettings):
         out = out.masked_fill((reached & some)[..., None], math.nan).masked_fill(~some[..., None], 0.0)
         self._next += length
         return (out * self._out_scale).to(self.dtype).transpose(1, 2)
+
+    def _takes_kernel(self, q: torch.Tensor) -> bool:
+        """Whether this step runs the fused Triton launches (see the class docstring); a
+        ``ValueError`` for ``kernel="triton"`` where they cannot."""
+        choice = fused.requested(self.kernel)
+        if choice == "torch":
+            return False
+        reason = fused.why_not_triton(q, 0.0, False, capturable=True)
+        if reason is None and torch.is_grad_enabled() and q.requires_grad:
+            reason = "the fused launches have no backward (q requires grad)"
+        if choice == "triton" and reason is not None:
+            raise ValueError(f"kernel='triton' cannot run this step: {reason}; or use kernel='auto' or 'torch'")
+        return reason is None and (choice == "triton" or q.device.type == "cuda")
+
+    def _attend_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """:meth:`attend` by the fused launches: append, attend, then advance."""
+        from ..ops import ring_decode
+
+        splits = ring_decode.splits_for(self.device, q.shape[0] * q.shape[1] * q.shape[2], self.capacity)
+        ring_decode.append(self._k, self._v, self._key_positions, self._bad, self._next, k.detach(), v.detach())
+        out = ring_decode.attend(
+            q.detach(),
+            self._k,
+            self._v,
+            self._key_positions,
+            self._bad,
+            self._next,
+            self._kernel_branches,
+            self._kernel_scale,
+            self._out_scale,
+            splits,
+        )
+        self._next += q.shape[1]
+        return out

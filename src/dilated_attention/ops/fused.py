@@ -49,12 +49,16 @@ def requested(kernel: str | None) -> str:
     return kernel
 
 
-def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool) -> str | None:
-    """Why the Triton kernels cannot run a call on ``q`` ``(B, L, H, D)``, or ``None``."""
+def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool, capturable: bool = False) -> str | None:
+    """Why the Triton kernels cannot run a call on ``q`` ``(B, L, H, D)``, or ``None``.
+    ``capturable``: the call's launches take the same arguments at every step (the
+    static cache's), so a CUDA graph may capture them."""
     if dropout > 0:
         return "dropout is not fused (its masks are the library's position-keyed ones): use dropout_p=0"
-    if torch.compiler.is_compiling() or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return "under torch.compile and CUDA graph capture the engine runs PyTorch's kernels"
+    if torch.compiler.is_compiling():
+        return "under torch.compile the calls run PyTorch's operations, which it compiles"
+    if not capturable and q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "under CUDA graph capture the engine runs PyTorch's kernels"
     if distributed:
         return "process_group calls are not fused (the engine exchanges rows between the ranks)"
     if q.dtype not in TRITON_DTYPES:

@@ -1,0 +1,222 @@
+"""Fused Triton kernels of :class:`dilated_attention.StaticKVCache`'s step: a ring of
+keys attended by a few query rows, every branch in one pass, in three launches whose
+arguments never change from step to step (positions are read on the device), so that
+a step replays from a CUDA graph.
+
+- ``_append_kernel``: writes the step's keys and values into their ring slots (a row
+  holding NaN or infinity as zeros, flagged), with their positions.
+- ``_ring_kernel``: a program owns one query row of one (batch row, head) and one
+  split of the ring (split-K, as flash-decoding does, so that a step of one sequence
+  fills the GPU). For each key it counts the branches that select it for that query
+  and head, and runs an online softmax in which a key counts that many times (the
+  definition's ``log(count)`` bias, exactly): partial maxima, sums and outputs in
+  float32, and two flags (some key attended; a non-finite query or attended key).
+- ``_combine_kernel``: merges the splits of a row, applies the definition's rules (a
+  row with no key outputs 0, one reached by a non-finite value NaN) and the output
+  scale, and writes the output in the cache's dtype.
+
+Imported only when the kernels run (Triton is optional). On the CPU they run in
+Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported, for tests).
+Scores are float32 sums of elementwise products (no ``tl.dot``: one query row is a
+matrix-vector product, bound by reading the ring, and the interpreter's bfloat16 dot
+is wrong).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .intmath import ceil_div
+
+# Keys a program reads per iteration.
+BLOCK_N = 64
+# Programs a step aims for on a GPU, per multiprocessor (splits of the ring add up to it).
+PROGRAMS_PER_SM = 4
+SOME_KEY, NON_FINITE = 1, 2  # the flags' bits
+
+
+@triton.jit
+def _append_kernel(
+    K, V, NEW_K, NEW_V, NEXT, KEY_POS, BAD,
+    rows, heads, capacity, dim,
+    s_nb, s_nl, s_nh,  # new keys and values (B, L, H, D), last dim contiguous
+    DIM_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program ``(b * rows + l) * heads + h`` writes key and value row ``l`` of head ``h``
+    of sequence ``b`` into ring slot ``(next[b] + l) mod capacity``."""
+    pid = tl.program_id(0)
+    h = pid % heads
+    bl = pid // heads
+    b = bl // rows
+    position = tl.load(NEXT + b) + bl % rows
+    slot = ((position % capacity) + capacity) % capacity  # the remainder's sign is the dividend's
+    d = tl.arange(0, DIM_BLOCK)
+    inside = d < dim
+    source = b.to(tl.int64) * s_nb + (bl % rows) * s_nl + h * s_nh + d
+    k = tl.load(NEW_K + source, mask=inside, other=0.0)
+    v = tl.load(NEW_V + source, mask=inside, other=0.0)
+    bad = tl.max(((k != k) | (v != v) | (tl.abs(k) == float("inf")) | (tl.abs(v) == float("inf"))).to(tl.int32), 0)
+    ring_row = (b.to(tl.int64) * heads + h) * capacity + slot
+    tl.store(K + ring_row * dim + d, tl.where(bad > 0, 0.0, k).to(K.dtype.element_ty), mask=inside)
+    tl.store(V + ring_row * dim + d, tl.where(bad > 0, 0.0, v).to(V.dtype.element_ty), mask=inside)
+    tl.store(BAD + ring_row, bad.to(tl.uint8))
+    if h == 0:
+        tl.store(KEY_POS + b.to(tl.int64) * capacity + slot, position)
+
+
+@triton.jit
+def _ring_kernel(
+    Q, K, V, NEXT, KEY_POS, BAD, SEG, RATE, OFFSET,
+    PART_M, PART_L, PART_O, PART_FLAGS,
+    scale, rows, heads, capacity, dim, branches, keys_per_split, splits,
+    s_qb, s_ql, s_qh,  # queries (B, L, H, D), last dim contiguous
+    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program ``(row, split)``, ``row = (b * heads + h) * rows + l``: the online softmax of
+    query row ``l`` of head ``h`` of sequence ``b`` over ring slots ``[split *
+    keys_per_split, (split + 1) * keys_per_split)``, each key weighted by the number of
+    branches that select it, into the row's partials of that split."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    l = row % rows  # noqa: E741
+    h = (row // rows) % heads
+    b = row // (rows * heads)
+    query = tl.load(NEXT + b) + l
+    d = tl.arange(0, DIM_BLOCK)
+    q = tl.load(Q + b.to(tl.int64) * s_qb + l * s_ql + h * s_qh + d, mask=d < dim, other=0.0).to(tl.float32)
+    q_bad = tl.max(((q != q) | (tl.abs(q) == float("inf"))).to(tl.int32), 0)
+    # Typed scalars that the loop carries: the running maximum, sum and flags.
+    m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
+    total = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
+    some = tl.max(tl.zeros([BLOCK], dtype=tl.int32), 0)
+    reached = some
+    acc = tl.zeros([DIM_BLOCK], dtype=tl.float32)
+    ring = (b.to(tl.int64) * heads + h) * capacity
+    first = split * keys_per_split
+    last = tl.minimum(first + keys_per_split, capacity)
+    for start in range(first, last, BLOCK):
+        n = start + tl.arange(0, BLOCK)
+        inside = n < last
+        key = tl.load(KEY_POS + b.to(tl.int64) * capacity + n, mask=inside, other=-1)
+        count = tl.zeros([BLOCK], dtype=tl.float32)
+        for g in range(branches):
+            w = tl.load(SEG + g)
+            r = tl.load(RATE + g)
+            o = tl.load(OFFSET + g * heads + h)
+            seg = (query // w) * w  # the query's segment (query >= 0 where it counts)
+            selected = (query >= 0) & ((query - seg) % r == o) & (key >= seg) & (key <= query)
+            count += (selected & ((key - seg) % r == o)).to(tl.float32)
+        counted = count > 0
+        k = tl.load(K + (ring + n[:, None]) * dim + d[None, :], mask=inside[:, None] & (d[None, :] < dim), other=0.0)
+        scores = tl.where(counted, tl.sum(k.to(tl.float32) * q[None, :], 1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.where(counted, count * tl.exp(scores - m_safe), 0.0)
+        alpha = tl.exp(m - m_safe)
+        v = tl.load(V + (ring + n[:, None]) * dim + d[None, :], mask=inside[:, None] & (d[None, :] < dim), other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+        total = total * alpha + tl.sum(p, 0)
+        m = m_new
+        bad = tl.load(BAD + ring + n, mask=inside, other=0)
+        some = tl.maximum(some, tl.max(counted.to(tl.int32), 0))
+        reached = tl.maximum(reached, tl.max((counted & (bad != 0)).to(tl.int32), 0))
+    part = row.to(tl.int64) * splits + split
+    tl.store(PART_M + part, m)
+    tl.store(PART_L + part, total)
+    tl.store(PART_O + part * dim + d, acc, mask=d < dim)
+    tl.store(PART_FLAGS + part, some * 1 + tl.maximum(reached, q_bad) * 2)
+
+
+@triton.jit
+def _combine_kernel(
+    OUT, PART_M, PART_L, PART_O, PART_FLAGS,
+    out_scale, rows, heads, dim, splits,
+    s_ob, s_ol, s_oh,  # the output (B, L, H, D), last dim contiguous
+    SPLIT_BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program ``row`` merges the row's ``splits`` partials into its output row."""
+    row = tl.program_id(0)
+    l = row % rows  # noqa: E741
+    h = (row // rows) % heads
+    b = row // (rows * heads)
+    s = tl.arange(0, SPLIT_BLOCK)
+    d = tl.arange(0, DIM_BLOCK)
+    part = row.to(tl.int64) * splits + s
+    m = tl.load(PART_M + part, mask=s < splits, other=float("-inf"))
+    flags = tl.load(PART_FLAGS + part, mask=s < splits, other=0)
+    top = tl.max(m, 0)
+    weight = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))
+    total = tl.sum(tl.load(PART_L + part, mask=s < splits, other=0.0) * weight, 0)
+    o = tl.load(PART_O + part[:, None] * dim + d[None, :], mask=(s[:, None] < splits) & (d[None, :] < dim), other=0.0)
+    out = tl.sum(o * weight[:, None], 0) / total
+    some = tl.max(flags & 1, 0)
+    non_finite = tl.max(flags & 2, 0)
+    out = tl.where(some == 0, 0.0, tl.where(non_finite != 0, float("nan"), out * out_scale))
+    target = b.to(tl.int64) * s_ob + l * s_ol + h * s_oh + d
+    tl.store(OUT + target, out.to(OUT.dtype.element_ty), mask=d < dim)
+
+
+@functools.cache
+def splits_for(device: torch.device, rows: int, capacity: int) -> int:
+    """How many splits of the ring a step's ``rows`` (query rows times heads times
+    sequences) take: enough programs to fill the GPU (on the CPU, a few), each at
+    least :data:`BLOCK_N` keys."""
+    programs = 4
+    if device.type == "cuda":
+        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(ceil_div(capacity, BLOCK_N), ceil_div(programs, rows)))
+
+
+def _block(size: int) -> int:
+    """A tile's width for ``size`` elements: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(size))
+
+
+def append(k_ring, v_ring, key_positions, bad, next_positions, k, v) -> None:
+    """Write ``k, v`` ``(B, L, H, D)`` into the rings ``(B, H, C, D)`` at the slots of
+    positions ``next_positions[b] + l`` (non-finite rows as zeros, flagged in ``bad``
+    ``(B, H, C)`` bool), their positions into ``key_positions`` ``(B, C)``."""
+    batch, rows, heads, dim = k.shape
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    if k.stride() != v.stride():
+        k, v = k.contiguous(), v.contiguous()
+    _append_kernel[(batch * rows * heads,)](
+        k_ring, v_ring, k, v, next_positions, key_positions, bad.view(torch.uint8),
+        rows, heads, k_ring.shape[2], dim, *k.stride()[:3],
+        DIM_BLOCK=_block(dim),
+    )  # fmt: skip
+
+
+def attend(q, k_ring, v_ring, key_positions, bad, next_positions, branches, scale, out_scale, splits):
+    """The output ``(B, L, H, D)`` of ``q`` ``(B, L, H, D)`` at positions ``next_positions[b]
+    + l`` over the rings, ``branches`` = ``(segment lengths (G,), rates (G,), offsets
+    (G, H))`` int64 on the device (offset -1: the head does not run the branch)."""
+    batch, rows, heads, dim = q.shape
+    capacity = k_ring.shape[2]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    programs = batch * heads * rows
+    part_m = torch.empty(programs * splits, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_o = torch.empty(programs * splits * dim, dtype=torch.float32, device=q.device)
+    part_flags = torch.empty(programs * splits, dtype=torch.int32, device=q.device)
+    seg, rate, offsets = branches
+    dim_block = _block(dim)
+    _ring_kernel[(programs, splits)](
+        q, k_ring, v_ring, next_positions, key_positions, bad.view(torch.uint8), seg, rate, offsets,
+        part_m, part_l, part_o, part_flags,
+        scale, rows, heads, capacity, dim, len(seg), ceil_div(ceil_div(capacity, splits), BLOCK_N) * BLOCK_N, splits,
+        *q.stride()[:3],
+        BLOCK=BLOCK_N, DIM_BLOCK=dim_block,
+    )  # fmt: skip
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _combine_kernel[(programs,)](
+        out, part_m, part_l, part_o, part_flags,
+        out_scale, rows, heads, dim, splits, *out.stride()[:3],
+        SPLIT_BLOCK=_block(splits), DIM_BLOCK=dim_block,
+    )  # fmt: skip
+    return out
