@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The one script a lent GPU machine runs (about 8 minutes; each step has its own
-# time limit): versions and the card's ceilings; the fused Triton kernels against the
-# float64 reference (check, then the CUDA tests, both with each pass's first tile
+# The one script a lent GPU machine runs. Its steps, each with its own time limit:
+# versions and the card's ceilings; the fused Triton kernels against the float64
+# reference (check, then the CUDA tests, both with each pass's first tile
 # configuration: compiling every autotuner candidate of every variant would take most
 # of the lease); the benchmark with the autotuner on, side by side in one run: dense
 # SDPA (FlashAttention), FlexAttention computing the same mixture, the library on its
 # fused Triton kernels and on PyTorch's kernels at N=32768, then the fused kernels
 # alone at N=1M; one-token decoding at 4K, 64K and 1M (eager and captured in a CUDA
 # graph, one sequence and batches of 8). Everything goes into OUTDIR. Naming steps runs
-# only those (check, tests, bench, bench-1m, decode), in that order.
+# only those (check, tests, bench, bench-1m, decode), in that order: all five may take
+# up to about 15 minutes, more than a 15-minute lease holds with its start and a rerun.
 #
 #     PYTHONPATH=src bash benchmarks/gpu.sh OUTDIR [STEP...]
 set -u
