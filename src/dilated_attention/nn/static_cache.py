@@ -168,9 +168,13 @@ class StaticKVCache(CacheSettings):
         attended = count > 0
         # In float32 (float64) whatever the dtype: log(2) for a key two branches count stays exact.
         acc = accumulator(self.dtype)
-        scores = torch.matmul(q.transpose(1, 2).to(acc), self._k.to(acc).transpose(-1, -2)) * self._kernel_scale
+        # Autograd saves the rings for q's gradient: a copy, which later steps' writes
+        # leave alone (in float32 `.to` alone would hand it the ring itself).
+        saved = torch.is_grad_enabled() and q.requires_grad
+        keys, values = (ring.to(acc, copy=saved) for ring in (self._k, self._v))
+        scores = torch.matmul(q.transpose(1, 2).to(acc), keys.transpose(-1, -2)) * self._kernel_scale
         weights = torch.softmax(scores + count.to(acc).sub(1).log1p(), dim=-1)
-        out = torch.matmul(weights.nan_to_num(0.0), self._v.to(acc))
+        out = torch.matmul(weights.nan_to_num(0.0), values)
         # The definition's rules: a row with no key outputs 0, one a non-finite value
         # reaches (its query, or a key it attends) outputs NaN.
         some = attended.any(-1)
