@@ -127,7 +127,8 @@ class StaticKVCache(CacheSettings):
         return self.nbytes
 
     def reorder(self, indices: torch.Tensor) -> None:
-        """Keep the sequences ``indices`` (``(B',)`` ints, repeats allowed), in that order."""
+        """Keep the sequences ``indices`` (``(B',)`` ints, repeats allowed), in that order.
+        The cache's tensors are replaced: capture a CUDA graph again after a reorder."""
         integer = isinstance(indices, torch.Tensor) and indices.dtype in (torch.int32, torch.int64)
         if (
             not integer

@@ -36,7 +36,6 @@ from .intmath import ceil_div
 BLOCK_N = 64
 # Programs a step aims for on a GPU, per multiprocessor (splits of the ring add up to it).
 PROGRAMS_PER_SM = 4
-SOME_KEY, NON_FINITE = 1, 2  # the flags' bits
 
 
 @triton.jit
@@ -128,6 +127,7 @@ def _ring_kernel(
     tl.store(PART_M + part, m)
     tl.store(PART_L + part, total)
     tl.store(PART_O + part * dim + d, acc, mask=d < dim)
+    # The flags' bits: 1, some key attended; 2, a non-finite query or attended key.
     tl.store(PART_FLAGS + part, some * 1 + tl.maximum(reached, q_bad) * 2)
 
 
