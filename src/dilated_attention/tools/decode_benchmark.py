@@ -183,13 +183,12 @@ def _dense_cache(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> tuple
     """``(step, bytes)``: a dense cache preallocated for every position of the span from
     ``position`` on, ``step(at)`` writing the row at ``at`` and attending over the
     filled part (``None`` where the cache would not fit such a machine)."""
-    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    device = torch.device(cfg.device)
     batch, length = len(pads), position + span_of(cfg, position)
-    size = (batch, cfg.heads, length, cfg.head_dim)
-    nbytes = 2 * math.prod(size) * torch.empty((), dtype=dtype).element_size()
-    if nbytes > dense_limit(device):
+    drawn, nbytes = _dense_keys(cfg, batch, length, position)
+    if drawn is None:
         return None, nbytes
-    keys, values = _random_keys(size, device, dtype, position)
+    keys, values = drawn
     token = _tokens(cfg, batch, 1, torch.Generator().manual_seed(position))[0].transpose(1, 2)  # (B, H, 1, D)
     padded = torch.arange(length, device=device)[None, :] < torch.tensor(pads, device=device)[:, None]
     mask = None if not any(pads) else ~padded[:, None, None, :]  # True: attend
@@ -209,10 +208,20 @@ def dense_limit(device: torch.device) -> int:
     return MAX_DENSE_BYTES
 
 
-def _random_keys(size, device: torch.device, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of a dense cache: standard normal, drawn on the device."""
+def _dense_keys(
+    cfg: DecodeConfig, batch: int, length: int, seed: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, int]:
+    """``((keys, values), bytes)`` of a dense cache of ``length`` positions, ``(B, H,
+    length, D)`` each, standard normal, drawn on the device; ``None`` for the tensors
+    where the cache is larger than :func:`dense_limit`."""
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    size = (batch, cfg.heads, length, cfg.head_dim)
+    nbytes = 2 * math.prod(size) * torch.empty((), dtype=dtype).element_size()
+    if nbytes > dense_limit(device):
+        return None, nbytes
     generator = torch.Generator(device).manual_seed(seed)
-    return tuple(torch.randn(size, generator=generator, device=device, dtype=dtype) for _ in range(2))  # type: ignore[return-value]
+    keys, values = (torch.randn(size, generator=generator, device=device, dtype=dtype) for _ in range(2))
+    return (keys, values), nbytes
 
 
 def _step_seconds(cache: DilatedKVCache, tokens: Sequence[torch.Tensor], i: int, device: torch.device) -> float:
@@ -268,11 +277,10 @@ def graph_step_times(cfg: DecodeConfig, position: int, pads: Sequence[int], impl
         # Filled up to the position; the warm-up steps, the capture's and every replay
         # each write one more row.
         length = position + 2 + GRAPH_REPLAYS * cfg.dense_steps
-        size = (batch, cfg.heads, length, cfg.head_dim)
-        nbytes = 2 * math.prod(size) * torch.empty((), dtype=dtype).element_size()
-        if nbytes > dense_limit(device):
+        drawn, nbytes = _dense_keys(cfg, batch, length, position)
+        if drawn is None:
             return [DecodeRow(impl, _batch_name(pads), position, None, nbytes, "skipped: the cache would not fit")]
-        keys, values = _random_keys(size, device, dtype, position)
+        keys, values = drawn
         at = torch.tensor([position], device=device)
         columns = torch.arange(length, device=device)
         first = torch.tensor(pads, device=device)[:, None, None, None]
