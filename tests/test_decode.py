@@ -187,6 +187,29 @@ def test_rows_of_a_phase_share_a_call_as_a_view_or_gathered(starts, shared, dtyp
         assert lse_error(lse[row : row + 1], ref_lse) <= tolerance
 
 
+def test_rows_near_each_other_share_a_call_and_rows_far_apart_do_not(monkeypatch):
+    """Rows of one phase whose queries are near each other in their segments share a
+    call (a mask for the keys before a row's own), those far from them take their own:
+    the runs the cost model picks, and each row's output is the reference's."""
+    attn = dict(segment_lengths=[16], dilation_rates=[1], mode="mixture", head_offsets="interleaved")
+    starts = [11, 10, 9, 15, 14]  # the last queries 15, 14, 13, 3 and 2 keys into their segments
+    (q, k, v), _, _ = random_inputs(len(starts), 5, 21, 4, 8)
+    q, k, v = (t.detach() for t in (q, k, v))
+    tables = tables_of(attn, 4)
+    monkeypatch.setattr(decode, "ROW_CALL_COST", 40)  # pairs: shared 3 x 4 x 16 x 1.125 < alone 4 x 45 + 2 x 40
+    last = [s + 20 for s in starts]
+    calls = decode.branch_calls(tables, last)[1]
+    assert calls is not None
+    assert [(call.rows, call.counts) for call in calls] == [(slice(0, 3, 1), (16, 15, 14)), (slice(3, 5, 1), (4, 3))]
+    out, lse = decode.branch_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), last, tables, 8**-0.5, calls)
+    for row, start in enumerate(starts):
+        ref, ref_lse = reference_dilated_attention(
+            q[row : row + 1, -1:], k[row : row + 1], v[row : row + 1], key_offset=start, is_causal=True, **attn
+        )
+        assert max_relative_error(out[row : row + 1], ref) <= 1e-10
+        assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10
+
+
 @settings(max_examples=60)
 @given(configs(max_len=8), st.integers(1, 40), st.sampled_from([torch.float32, torch.float64]))
 def test_early_steps_read_the_bias_from_a_table(cfg, longer, dtype):

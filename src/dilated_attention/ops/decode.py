@@ -19,6 +19,7 @@ it to the float64 reference.
 
 from __future__ import annotations
 
+import array
 import functools
 import itertools
 import math
@@ -42,6 +43,11 @@ BRANCH_CALLS_COST = 8192
 # What one more call of a single batch row costs in that path (about 20 us), and
 # what a call of a gathered subset of the rows costs beyond its pairs: its gather.
 ROW_CALL_COST = 2048
+# Rows that one branch-by-branch call takes at most.
+MAX_RUN = 32
+# What a pair costs in a call whose rows attend to different numbers of keys (their
+# mask read and added; measured 1.07 to 1.15 on 2-core x86 CPUs).
+MASKED_FACTOR = 1.125
 # Rows at different positions: the window's pairs cost this many times more (a bias
 # per row to build and read, and the keys before a later row's segment start), and a
 # row taken alone this much more (its whole step's overhead); measured alike.
@@ -150,21 +156,29 @@ class DecodeTables:
     def late_keys_mask(self, counts: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
         """The additive mask ``(len(counts), 1, 1, max(counts))`` of rows that share a call
         over their last ``max(counts)`` keys, row ``i`` attending to its last
-        ``counts[i]`` only (``-inf`` before them, ``0`` from there): rows of one
-        ``[-inf] * m + [0] * m`` ramp, kept per dtype, gathered in one operation."""
+        ``counts[i]`` only (``-inf`` before them, ``0`` from there): a view of a mask kept
+        per ``max(counts) - counts[i]`` (these stay the same from step to step until a
+        row's segment starts anew)."""
         longest = max(counts)
-        ramp = self._ramps.get(dtype)
-        if ramp is None or ramp.shape[0] < 2 * longest:
-            half = 1 << (longest - 1).bit_length()
-            ramp = torch.zeros(2 * half, dtype=dtype, device=device)
-            ramp[:half] = -math.inf
-            self._ramps[dtype] = ramp
-        half = ramp.shape[0] // 2
-        starts = torch.tensor([half - longest + count for count in counts], device=device)
-        return ramp.unfold(0, longest, 1).index_select(0, starts).view(len(counts), 1, 1, longest)
+        key = (tuple(longest - count for count in counts), dtype)
+        mask = self._late_masks.get(key)
+        if mask is None or mask.shape[-1] < longest:
+            width = max(self.longest_count, longest)
+            before = torch.arange(width, device=device) < torch.tensor(key[0], device=device).view(-1, 1, 1, 1)
+            mask = torch.zeros(before.shape, dtype=dtype, device=device).masked_fill_(before, -math.inf)
+            kept = sum(m.numel() for m in self._late_masks.values())
+            if kept + mask.numel() > MAX_LATE_MASK_ELEMENTS:
+                self._late_masks.clear()
+            self._late_masks[key] = mask
+        return mask[..., :longest]
 
     @functools.cached_property
-    def _ramps(self) -> dict[torch.dtype, torch.Tensor]:
+    def longest_count(self) -> int:
+        """The most keys a query attends in one branch: ``ceil(w / r)``."""
+        return max(-(-w // r) for w, r, _, _ in self.branches)
+
+    @functools.cached_property
+    def _late_masks(self) -> dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor]:
         return {}
 
     @functools.cached_property
@@ -179,6 +193,8 @@ class DecodeTables:
 
 # Places in the cycle of segments whose one-row cost DecodeTables.row_cost keeps.
 MAX_ROW_COSTS = 2**16
+# Elements of the late-key masks kept (:meth:`DecodeTables.late_keys_mask`; 16 MiB in float32).
+MAX_LATE_MASK_ELEMENTS = 2**22
 # Elements of the largest bias kept for the next layer's step (4 MiB in float32).
 MAX_REUSED_BIAS = 2**20
 # Elements of the largest table :meth:`DecodeTables.early_bias` makes (16 MiB in float32).
@@ -399,20 +415,52 @@ class BranchCall:
     counts: tuple[int, ...]
 
 
-def _grouping(members: dict[int, int], heads_counted: int) -> tuple[int, slice | tuple[int, ...] | None]:
-    """``(cost, rows)`` of the cheaper way to call the rows ``members`` (row -> its
-    keys, in increasing row order) of one branch and phase for ``heads_counted``
-    heads, in (key, head) pairs read: one call of them all (``rows`` a slice where
-    they are evenly spaced, a view, else the rows to gather, a gather counting as a
-    second read), or a call per row (``rows`` ``None``), each call beyond the first
-    counting :data:`ROW_CALL_COST`."""
-    rows = list(members)
-    step = rows[1] - rows[0] if len(rows) > 1 else 1
-    even = all(b - a == step for a, b in itertools.pairwise(rows))
-    shared_rows = slice(rows[0], rows[-1] + 1, step) if even else tuple(rows)
-    shared = (1 if even else 2) * len(rows) * heads_counted * max(members.values())
-    alone = heads_counted * sum(members.values()) + (len(rows) - 1) * ROW_CALL_COST
-    return (shared, shared_rows) if shared <= alone else (alone, None)
+def _grouping(
+    members: dict[int, int], heads_counted: int
+) -> tuple[int, list[tuple[slice | tuple[int, ...], tuple[int, ...]]]]:
+    """``(cost, runs)``: the cheapest way to call the rows ``members`` (row -> its keys,
+    in increasing row order) of one branch and phase for ``heads_counted`` heads, in
+    (key, head) pairs read, as consecutive runs of them, each one call ``(rows,
+    counts)`` reading its longest row's keys for every row: ``rows`` a slice where
+    they are evenly spaced (a view), else the rows to gather (a gather counting as a
+    second read); a mask of the keys before a row's own, where counts differ, makes
+    each pair cost :data:`MASKED_FACTOR`; each call beyond the first counts
+    :data:`ROW_CALL_COST`. Rows far apart in their segments are called apart, rows
+    near each other together (a shortest path over the places between runs, runs of
+    at most :data:`MAX_RUN` rows)."""
+    rows, counts = list(members), list(members.values())
+    if len(rows) == 1 or (min(counts) == counts[0] == max(counts) and _evenly_spaced(rows)):
+        return len(rows) * heads_counted * counts[0], [(_rows_index(rows), tuple(counts))]
+    # best[end]: the cost of calling rows[:end]; start[end]: where its last run starts
+    best, start = [0] + [math.inf] * len(rows), [0] * (len(rows) + 1)
+    for end in range(1, len(rows) + 1):
+        longest, lowest, even = 0, math.inf, True
+        for first in range(end - 1, max(end - 1 - MAX_RUN, -1), -1):
+            longest, lowest = max(longest, counts[first]), min(lowest, counts[first])
+            if first + 2 < end:
+                even = even and rows[first + 1] - rows[first] == rows[first + 2] - rows[first + 1]
+            factor = (1 if even else 2) * (1 if lowest >= longest else MASKED_FACTOR)
+            cost = best[first] + factor * (end - first) * heads_counted * longest + ROW_CALL_COST
+            if cost < best[end]:
+                best[end], start[end] = cost, first
+    runs, end = [], len(rows)
+    while end:
+        first = start[end]
+        runs.append((_rows_index(rows[first:end]), tuple(counts[first:end])))
+        end = first
+    return int(best[-1] - ROW_CALL_COST), runs[::-1]
+
+
+def _evenly_spaced(rows: Sequence[int]) -> bool:
+    return all(b - a == rows[1] - rows[0] for a, b in itertools.pairwise(rows))
+
+
+def _rows_index(rows: Sequence[int]) -> slice | tuple[int, ...]:
+    """Batch rows as one call takes them: a slice where they are evenly spaced, else
+    the rows to gather."""
+    if len(rows) == 1 or _evenly_spaced(rows):
+        return slice(rows[0], rows[-1] + 1, rows[1] - rows[0] if len(rows) > 1 else 1)
+    return tuple(rows)
 
 
 def branch_calls(
@@ -432,17 +480,11 @@ def branch_calls(
         return cost, None
     for branch, (_w, r, chosen, heads_by_phase, groups) in enumerate(_phase_groups(tables, positions)):
         for phase, members in groups.items():
-            pairs, rows = _grouping(members, chosen[phase].bit_count())
+            pairs, runs = _grouping(members, chosen[phase].bit_count())
             cost += pairs
             if cost >= limit:
                 return cost, None
-            heads = heads_by_phase[phase]
-            if rows is None:
-                calls.extend(
-                    BranchCall(branch, r, heads, slice(row, row + 1), (count,)) for row, count in members.items()
-                )
-            else:
-                calls.append(BranchCall(branch, r, heads, rows, tuple(members.values())))
+            calls.extend(BranchCall(branch, r, heads_by_phase[phase], rows, counts) for rows, counts in runs)
     return cost, calls
 
 
@@ -474,7 +516,7 @@ def branch_attention(
     if calls is None:
         calls = branch_calls(tables, positions)[1]
         assert calls is not None  # without a limit
-    parts: list[tuple[int, slice, slice | torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    parts: list[tuple[int, slice, slice | tuple[int, ...], torch.Tensor, torch.Tensor]] = []
     for call in calls:
         kv_heads = call.heads
         if groups_per_kv > 1:
@@ -484,13 +526,13 @@ def branch_attention(
             kv_heads = slice(*kv)
         longest = max(call.counts)
         keys = slice(end - 1 - (longest - 1) * call.r, end, call.r)
-        if isinstance(call.rows, slice):
-            rows: slice | torch.Tensor = call.rows
+        rows = call.rows
+        if isinstance(rows, slice):
             qs, ks, vs = queries[rows, call.heads], k[rows, kv_heads, keys], v[rows, kv_heads, keys]
         else:
-            rows = torch.tensor(call.rows, device=q.device)
+            index = torch.tensor(rows, device=q.device)
             qs, ks, vs = (
-                t.index_select(0, rows) for t in (queries[:, call.heads], k[:, kv_heads, keys], v[:, kv_heads, keys])
+                t.index_select(0, index) for t in (queries[:, call.heads], k[:, kv_heads, keys], v[:, kv_heads, keys])
             )
         # a row's keys before its segment's start, where its call reads further back for others
         mask = None if min(call.counts) == longest else tables.late_keys_mask(call.counts, acc, q.device)
@@ -503,22 +545,40 @@ def branch_attention(
 def _combine(parts, branches: int, shape: tuple[int, int, int, int], out_scale: float, acc: torch.dtype, device):
     """``(out, lse)`` ``(B, H, L, D)``, ``(B, H, L)`` of one softmax over the keys of every
     part ``(branch, heads, rows, out, lse)`` (attention of the heads ``heads``, a slice,
-    of the batch rows ``rows`` (a slice or an index tensor) over some of the keys of
+    of the batch rows ``rows`` (a slice or a tuple of rows) over some of the keys of
     branch ``branch`` of ``branches``; the parts of one branch cover each cell at most
-    once), ``out`` times ``out_scale``; what no part covers: 0 and ``-inf``. One pass
-    over all parts, written by branch (a decode step's tensors are small: operations,
-    not bytes, cost)."""
-    if len(parts) == 1 and out_scale == 1.0 and _covers(parts[0][1], shape[1]) and _covers(parts[0][2], shape[0]):
+    once), ``out`` times ``out_scale``; what no part covers: 0 and ``-inf``. The parts
+    are written by one indexed copy per tensor, then merged by branch (a decode step's
+    tensors are small: operations, not bytes, cost)."""
+    batch, num_heads, length, dim = shape
+    if len(parts) == 1 and out_scale == 1.0 and _covers(parts[0][1], num_heads) and _covers(parts[0][2], batch):
         return parts[0][3].to(acc), parts[0][4]
-    outs = torch.zeros((branches, *shape), dtype=acc, device=device)
-    lses = torch.full((branches, *shape[:3]), -math.inf, dtype=acc, device=device)
-    for branch, heads, rows, o, lse in parts:  # gathered rows (an index tensor) take no other dtype
-        outs[branch, rows, heads] = o.to(acc)
-        lses[branch, rows, heads] = lse
-    lse = lses.logsumexp(0)
-    weights = (lses - lse).exp_().nan_to_num_(0.0)  # a head no part covers: -inf - -inf
-    out = (outs * weights.unsqueeze(-1)).sum(0)
-    return (out.mul_(out_scale) if out_scale != 1.0 else out), lse
+    outs = torch.zeros((branches * batch * num_heads, length, dim), dtype=acc, device=device)
+    lses = torch.full((branches * batch * num_heads, length), -math.inf, dtype=acc, device=device)
+    if parts:
+        cells = _cells(parts, batch, num_heads)
+        outs.index_copy_(0, cells, torch.cat([o.reshape(-1, length, dim) for *_, o, _ in parts]).to(acc))
+        lses.index_copy_(0, cells, torch.cat([lse.reshape(-1, length) for *_, lse in parts]))
+    outs, lses = outs.view(branches, *shape), lses.view(branches, *shape[:3])
+    # the log-sum-exp over branches, its maximum kept finite where no part covers a cell
+    top = lses.amax(0).clamp_min_(torch.finfo(acc).min)
+    weights = (lses - top).exp_()
+    total = weights.sum(0)
+    out = (outs * weights.unsqueeze(-1)).sum(0).div_(total.clamp_min(torch.finfo(acc).tiny).unsqueeze(-1))
+    return (out.mul_(out_scale) if out_scale != 1.0 else out), total.log_().add_(top)
+
+
+def _cells(parts, batch: int, num_heads: int) -> torch.Tensor:
+    """The flat index of each part's ``(branch, row, head)`` cells in a ``(branches, B,
+    H)`` tensor, in the order of its outputs (built in an ``array``: a list's
+    ``torch.tensor`` takes several times as long)."""
+    cells = array.array("q")
+    for branch, heads, rows, _, _ in parts:
+        first, stop, step = heads.indices(num_heads)
+        for row in range(*rows.indices(batch)) if isinstance(rows, slice) else rows:
+            base = (branch * batch + row) * num_heads
+            cells.extend(range(base + first, base + stop, step))
+    return torch.frombuffer(cells, dtype=torch.int64)
 
 
 def _covers(index: slice | torch.Tensor, size: int) -> bool:
