@@ -205,10 +205,10 @@ def chunks(draw, total, most):
     return sizes
 
 
-def kernel_against_reference(data, cfg, dtype, device, most_rows=3):
-    """A static cache on the fused Triton launches, fed chunks of up to ``most_rows``
-    rows of left-padded sequences, some values NaN or infinite: each sequence's rows
-    are the reference's on it, the padding's rows 0."""
+def kernel_against_reference(data, cfg, dtype, device, most_rows=3, kind=StaticKVCache):
+    """A cache of class ``kind`` on the fused Triton launches, fed chunks of up to
+    ``most_rows`` rows of left-padded sequences, some values NaN or infinite: each
+    sequence's rows are the reference's on it, the padding's rows 0."""
     cfg = dict(cfg, is_causal=True, masked=False)
     inputs, attn = split_config(cfg)
     tensors = [t.detach().clone() for t in random_inputs(dtype=dtype, **inputs)[0]]
@@ -216,7 +216,8 @@ def kernel_against_reference(data, cfg, dtype, device, most_rows=3):
         poison(data, tensors, most=2)
     pads = [data.draw(st.integers(0, cfg["seq_len"] - 1)) for _ in range(cfg["batch"])]
     max_chunk = data.draw(st.integers(1, most_rows))
-    cache = static_cache(cfg, attn, pads, max_chunk, dtype, kernel="triton", device=device)
+    sized = {"max_chunk": max_chunk} if kind is StaticKVCache else {}
+    cache = cache_from_config(kind, cfg, attn, pads, dtype=dtype, kernel="triton", device=device, **sized)
     out = feed(cache, [t.to(device) for t in tensors], data.draw(chunks(cfg["seq_len"], max_chunk))).cpu()
     scale = max(1.0, abs(attn["softmax_scale"] or 0.0)) ** 2  # |scale| > 1 amplifies the inputs' rounding
     for row, pad in enumerate(pads):

@@ -192,6 +192,16 @@ def test_static_cache_kernel_on_cuda_matches_the_reference(cfg, dtype, data):
     kernel_against_reference(data, cfg, dtype, "cuda")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+@settings(max_examples=30, deadline=None)
+@given(configs(max_len=70, max_heads=6), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.data())
+def test_dilated_cache_kernel_on_cuda_matches_the_reference(cfg, dtype, data):
+    """DilatedKVCache's steps on the fused launches over its window, compiled: every
+    mode, head mapping, scale, chunking and left padding (rows at different
+    positions in one launch), with NaN and infinities."""
+    kernel_against_reference(data, cfg, dtype, "cuda", kind=DilatedKVCache)
+
+
 def test_a_static_cache_step_replays_from_a_cuda_graph():
     """The static cache's step captured once in a CUDA graph, replayed per token with
     new inputs copied in: the eager cache's outputs."""

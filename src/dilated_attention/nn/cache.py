@@ -18,7 +18,7 @@ import torch
 from .. import functional
 from ..ops import decode, fused, validation
 from ..ops.engine import all_finite, nonfinite_rows
-from ..ops.plan import window_start_needed
+from ..ops.plan import branch_table, window_start_needed
 
 
 def check_batch(sequences: int, batch: int, name: str) -> None:
@@ -34,8 +34,9 @@ def check_batch(sequences: int, batch: int, name: str) -> None:
 
 class CacheSettings:
     """What both caches share: ``shape`` ``(B, H, D)``, the branches, mode, head
-    offsets, ``softmax_scale`` (and the kernels' rounding of it), ``dtype`` and
-    ``device``, checked and set by :meth:`_configure`."""
+    offsets, ``softmax_scale`` (and the kernels' rounding of it), ``dtype``,
+    ``device`` and ``kernel``, checked and set by :meth:`_configure`; and whether a
+    step runs the fused Triton launches of :mod:`dilated_attention.ops.ring_decode`."""
 
     shape: tuple[int, int, int]
     segment_lengths: tuple[int, ...]
@@ -46,6 +47,7 @@ class CacheSettings:
     _kernel_scale: float
     dtype: torch.dtype
     device: torch.device
+    kernel: str | None
 
     def _configure(
         self,
@@ -59,6 +61,7 @@ class CacheSettings:
         softmax_scale,
         dtype,
         device,
+        kernel,
     ) -> None:
         for name, value in (("batch", batch), ("num_heads", num_heads), ("head_dim", head_dim)):
             validation.check_positive_int(value, name)
@@ -75,6 +78,34 @@ class CacheSettings:
         self.shape = (int(batch), int(num_heads), int(head_dim))
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
+        fused.requested(kernel)  # a ValueError for an unknown choice, before anything is made
+        self.kernel = kernel
+
+    def _takes_kernel(self, q: torch.Tensor) -> bool:
+        """Whether a step runs the fused Triton launches: with ``kernel="auto"`` on CUDA
+        where they can run it, with ``"triton"`` wherever they can (else a ``ValueError``
+        saying why), never with ``"torch"``."""
+        choice = fused.requested(self.kernel)
+        if choice == "torch":
+            return False
+        reason = fused.why_not_triton(q, 0.0, False, capturable=True)
+        if reason is None and torch.is_grad_enabled() and q.requires_grad:
+            reason = "the fused launches have no backward (q requires grad)"
+        if choice == "triton" and reason is not None:
+            raise ValueError(f"kernel='triton' cannot run this step: {reason}; or use kernel='auto' or 'torch'")
+        return reason is None and (choice == "triton" or q.device.type == "cuda")
+
+    @functools.cached_property
+    def _ring_branches(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The branches as the fused launches take them: segment lengths ``(G,)``, rates
+        ``(G,)`` and each head's offset ``(G, H)`` (``-1``: the head does not run the
+        branch), int64 on the device."""
+        table = branch_table(self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets)
+        return (
+            torch.tensor(table.segment_lengths, dtype=torch.int64, device=self.device),
+            torch.tensor(table.rates, dtype=torch.int64, device=self.device),
+            torch.tensor(table.offsets, dtype=torch.int64, device=self.device).T.contiguous(),
+        )
 
 
 def check_starts(start, batch: int, segment_lengths) -> list[int]:
@@ -140,6 +171,16 @@ class DilatedKVCache(CacheSettings):
     be a multiple of every segment length (no earlier key can be needed). Starts lie
     in ``[-2**62, 2**62]`` (positions are int64).
 
+    ``kernel``: ``"auto"`` (the default, or ``$DILATED_ATTENTION_KERNEL``) runs a step
+    of a few rows (at most 16 per sequence, nothing to differentiate, no NaN or
+    infinity) on CUDA as two fused Triton launches over the window of keys
+    (:mod:`dilated_attention.ops.ring_decode`: one for every row, whatever its
+    position, and one to merge its splits), and on the CPU as the lean path's few
+    PyTorch operations (:mod:`dilated_attention.ops.decode`); longer chunks, and steps
+    with gradients or non-finite values, run the engine. ``"triton"`` asks for the
+    launches (on the CPU in Triton's interpreter) and the engine's Triton kernels,
+    ``"torch"`` for PyTorch's operations and kernels. All compute the same rows.
+
     A call that raises leaves the cache as it was: every check runs before the keys
     are appended, and should the attention itself fail, the append is undone.
 
@@ -162,6 +203,7 @@ class DilatedKVCache(CacheSettings):
         start: int | torch.Tensor = 0,
         dtype: torch.dtype = torch.float32,
         device=None,
+        kernel: str | None = None,
     ):
         self._configure(
             batch,
@@ -174,6 +216,7 @@ class DilatedKVCache(CacheSettings):
             softmax_scale,
             dtype,
             device,
+            kernel,
         )
         self.reset(start)
 
@@ -294,8 +337,9 @@ class DilatedKVCache(CacheSettings):
             q, k, v = (t.index_select(0, self._rows) for t in (q, k, v))
         buffers = (self._k, self._v, self._bad, self._end)
         try:
-            if self._takes_window(q, k, v):
-                out = self._attend_window(q, self._append(k, v, None))
+            path = self._step_path(q, k, v)
+            if path is not None:
+                out = self._attend_window(q, self._append(k, v, None), fused=path == "triton")
             else:
                 out = self._attend_appended(q, k, v, self._append(k, v, nonfinite_rows(k, v)))
         except BaseException:  # an error or an interrupt: undo the append, so that a retry is exact
@@ -360,17 +404,23 @@ class DilatedKVCache(CacheSettings):
         if k.shape != q.shape or v.shape != q.shape:
             raise ValueError(f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
 
-    def _takes_window(self, q, k, v) -> bool:
-        """Whether this call takes the lean path (:mod:`dilated_attention.ops.decode`): a few
-        rows on the CPU, nothing to differentiate, no non-finite value anywhere, and no
-        other kernels asked for; else the engine's blocks, group by group."""
-        if q.shape[1] > decode.MAX_ROWS or self.device.type != "cpu" or self._bad is not None:
-            return False
+    def _step_path(self, q, k, v) -> str | None:
+        """How this call runs when it takes a few rows, nothing to differentiate and no
+        NaN or infinity anywhere: ``"triton"``, the fused launches over the window of
+        keys (:meth:`_takes_kernel`: on CUDA by default), or ``"torch"``, the lean
+        path's PyTorch operations (:mod:`dilated_attention.ops.decode`, on the CPU);
+        else ``None``: the engine's blocks, group by group."""
+        if q.shape[1] > decode.MAX_ROWS or self._bad is not None or torch.compiler.is_compiling():
+            return None
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return False
-        if torch.compiler.is_compiling() or fused.requested(None) == "triton":
-            return False
-        return all_finite(q, k, v)
+            return None
+        if self._takes_kernel(q):
+            path = "triton"
+        elif self.device.type == "cpu" and fused.requested(self.kernel) != "triton":
+            path = "torch"
+        else:
+            return None
+        return path if all_finite(q, k, v) else None
 
     @functools.cached_property
     def _decode_tables(self) -> decode.DecodeTables:
@@ -379,14 +429,17 @@ class DilatedKVCache(CacheSettings):
             self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets, self.device
         )
 
-    def _attend_window(self, q, first_slot: int) -> torch.Tensor:
-        """The output ``(B, L, H, D)`` of ``q`` through the lean path, once its keys are in
-        the buffers from slot ``first_slot`` on (the positions are not yet advanced)."""
+    def _attend_window(self, q, first_slot: int, fused: bool) -> torch.Tensor:
+        """The output ``(B, L, H, D)`` of ``q`` over the window of keys its rows reach, once
+        its keys are in the buffers from slot ``first_slot`` on (the positions are not
+        yet advanced): by the fused launches (``fused``) or the lean path."""
         rows = q.shape[1]
         stop = first_slot + rows
         tables = self._decode_tables
         # the keys every query reaches back to, and no further
         width = decode.window_width(tables, self._position, rows, stop)
+        if fused:
+            return self._attend_window_fused(q, stop - width, width)
         out, _ = decode.attend_step(
             q,
             self._k.narrow(2, stop - width, width),
@@ -397,6 +450,31 @@ class DilatedKVCache(CacheSettings):
             width=width,
         )
         return out
+
+    def _attend_window_fused(self, q, first_slot: int, width: int) -> torch.Tensor:
+        """:meth:`_attend_window` by the fused launches of
+        :mod:`dilated_attention.ops.ring_decode` over the buffers' slots ``[first_slot,
+        first_slot + width)``: one launch for every row whatever its position (the
+        slots' positions per row, on the device), and one to merge the splits."""
+        from ..ops import ring_decode
+
+        rows = q.shape[1]
+        queries = torch.tensor(self._position, dtype=torch.int64, device=self.device)  # each row's first query
+        key_positions = queries[:, None] + torch.arange(rows - width, rows, device=self.device)  # (B, width)
+        window = slice(first_slot, first_slot + width)
+        no_flags = torch.zeros((), dtype=torch.bool, device=self.device).expand(self.shape[0], self.shape[1], width)
+        return ring_decode.attend(
+            q,
+            self._k[:, :, window],
+            self._v[:, :, window],
+            key_positions,
+            no_flags,
+            queries,
+            self._ring_branches,
+            self._kernel_scale,
+            self._decode_tables.out_scale,
+            ring_decode.splits_for(self.device, q.shape[0] * rows * self.shape[1], width),
+        )
 
     def _attend_appended(self, q, k, v, first_slot: int) -> torch.Tensor:
         """The output ``(B, L, H, D)`` of ``q`` once ``k, v`` are in the buffers from slot
@@ -452,5 +530,5 @@ class DilatedKVCache(CacheSettings):
             (window,) * q.shape[0],
         )
         # The keys were checked for NaN and infinity as they were appended: no new scan.
-        attended, _ = functional.run(call, key_flags=flags, keys_checked=True)
+        attended, _ = functional.run(call, key_flags=flags, keys_checked=True, kernel=self.kernel)
         return torch.cat([padding, attended], 1) if padding.shape[1] else attended

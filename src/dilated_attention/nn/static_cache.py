@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops import fused, validation
+from ..ops import validation
 from ..ops.decode import ring_counts
 from ..ops.kernels import accumulator
 from ..ops.plan import branch_table
@@ -73,19 +73,13 @@ class StaticKVCache(CacheSettings):
             softmax_scale,
             dtype,
             device,
+            kernel,
         )
         self.max_chunk = validation.check_positive_int(max_chunk, "max_chunk")
-        fused.requested(kernel)  # a ValueError for an unknown choice, before anything is made
-        self.kernel = kernel
         table = branch_table(self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets)
-        self._branches = (table.segment_lengths, table.rates)
-        self._offsets = torch.tensor(table.offsets, dtype=torch.int64, device=self.device).T.contiguous()
+        self._branches = (table.segment_lengths, table.rates)  # Python ints: what torch.compile specialises on
+        self._offsets = self._ring_branches[2]  # made now: a compiled step only reads it
         self._out_scale = 1.0 if self.mode == "mixture" else 1.0 / len(self.segment_lengths)
-        self._kernel_branches = (
-            torch.tensor(self._branches[0], dtype=torch.int64, device=self.device),
-            torch.tensor(self._branches[1], dtype=torch.int64, device=self.device),
-            self._offsets,
-        )
         self.capacity = max(self.segment_lengths) - 1 + self.max_chunk
         if self.capacity > MAX_CAPACITY:
             raise ValueError(
@@ -184,19 +178,6 @@ class StaticKVCache(CacheSettings):
         self._next += length
         return (out * self._out_scale).to(self.dtype).transpose(1, 2)
 
-    def _takes_kernel(self, q: torch.Tensor) -> bool:
-        """Whether this step runs the fused Triton launches (see the class docstring); a
-        ``ValueError`` for ``kernel="triton"`` where they cannot."""
-        choice = fused.requested(self.kernel)
-        if choice == "torch":
-            return False
-        reason = fused.why_not_triton(q, 0.0, False, capturable=True)
-        if reason is None and torch.is_grad_enabled() and q.requires_grad:
-            reason = "the fused launches have no backward (q requires grad)"
-        if choice == "triton" and reason is not None:
-            raise ValueError(f"kernel='triton' cannot run this step: {reason}; or use kernel='auto' or 'torch'")
-        return reason is None and (choice == "triton" or q.device.type == "cuda")
-
     def _attend_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """:meth:`attend` by the fused launches: append, attend, then advance."""
         from ..ops import ring_decode
@@ -210,7 +191,7 @@ class StaticKVCache(CacheSettings):
             self._key_positions,
             self._bad,
             self._next,
-            self._kernel_branches,
+            self._ring_branches,
             self._kernel_scale,
             self._out_scale,
             splits,

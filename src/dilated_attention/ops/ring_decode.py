@@ -73,6 +73,9 @@ def _ring_kernel(
     PART_M, PART_L, PART_O, PART_FLAGS,
     scale, rows, heads, capacity, dim, branches, keys_per_split, splits,
     s_qb, s_ql, s_qh,  # queries (B, L, H, D), last dim contiguous
+    s_kb, s_kh,  # keys and values (B, H, C, D), a slot's D elements contiguous
+    s_pb,  # key positions (B, C), slots contiguous
+    s_fb, s_fh, s_fc,  # non-finite flags (B, H, C)
     BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program ``(row, split)``, ``row = (b * heads + h) * rows + l``: the online softmax of
@@ -94,13 +97,14 @@ def _ring_kernel(
     some = tl.max(tl.zeros([BLOCK], dtype=tl.int32), 0)
     reached = some
     acc = tl.zeros([DIM_BLOCK], dtype=tl.float32)
-    ring = (b.to(tl.int64) * heads + h) * capacity
+    ring = b.to(tl.int64) * s_kb + h.to(tl.int64) * s_kh
+    flags = b.to(tl.int64) * s_fb + h.to(tl.int64) * s_fh
     first = split * keys_per_split
     last = tl.minimum(first + keys_per_split, capacity)
     for start in range(first, last, BLOCK):
         n = start + tl.arange(0, BLOCK)
         inside = n < last
-        key = tl.load(KEY_POS + b.to(tl.int64) * capacity + n, mask=inside, other=-1)
+        key = tl.load(KEY_POS + b.to(tl.int64) * s_pb + n, mask=inside, other=-1)
         count = tl.zeros([BLOCK], dtype=tl.float32)
         for g in range(branches):
             w = tl.load(SEG + g)
@@ -110,17 +114,17 @@ def _ring_kernel(
             selected = (query >= 0) & ((query - seg) % r == o) & (key >= seg) & (key <= query)
             count += (selected & ((key - seg) % r == o)).to(tl.float32)
         counted = count > 0
-        k = tl.load(K + (ring + n[:, None]) * dim + d[None, :], mask=inside[:, None] & (d[None, :] < dim), other=0.0)
+        k = tl.load(K + ring + n[:, None] * dim + d[None, :], mask=inside[:, None] & (d[None, :] < dim), other=0.0)
         scores = tl.where(counted, tl.sum(k.to(tl.float32) * q[None, :], 1) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.where(counted, count * tl.exp(scores - m_safe), 0.0)
         alpha = tl.exp(m - m_safe)
-        v = tl.load(V + (ring + n[:, None]) * dim + d[None, :], mask=inside[:, None] & (d[None, :] < dim), other=0.0)
+        v = tl.load(V + ring + n[:, None] * dim + d[None, :], mask=inside[:, None] & (d[None, :] < dim), other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
         total = total * alpha + tl.sum(p, 0)
         m = m_new
-        bad = tl.load(BAD + ring + n, mask=inside, other=0)
+        bad = tl.load(BAD + flags + n * s_fc, mask=inside, other=0)
         some = tl.maximum(some, tl.max(counted.to(tl.int32), 0))
         reached = tl.maximum(reached, tl.max((counted & (bad != 0)).to(tl.int32), 0))
     part = row.to(tl.int64) * splits + split
@@ -160,15 +164,19 @@ def _combine_kernel(
     tl.store(OUT + target, out.to(OUT.dtype.element_ty), mask=d < dim)
 
 
-@functools.cache
 def splits_for(device: torch.device, rows: int, capacity: int) -> int:
     """How many splits of the ring a step's ``rows`` (query rows times heads times
     sequences) take: enough programs to fill the GPU (on the CPU, a few), each at
     least :data:`BLOCK_N` keys."""
-    programs = 4
+    return max(1, min(ceil_div(capacity, BLOCK_N), ceil_div(_programs(device), rows)))
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """Programs a step aims for on ``device``."""
     if device.type == "cuda":
-        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(ceil_div(capacity, BLOCK_N), ceil_div(programs, rows)))
+        return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def _block(size: int) -> int:
@@ -193,12 +201,20 @@ def append(k_ring, v_ring, key_positions, bad, next_positions, k, v) -> None:
 
 def attend(q, k_ring, v_ring, key_positions, bad, next_positions, branches, scale, out_scale, splits):
     """The output ``(B, L, H, D)`` of ``q`` ``(B, L, H, D)`` at positions ``next_positions[b]
-    + l`` over the rings, ``branches`` = ``(segment lengths (G,), rates (G,), offsets
-    (G, H))`` int64 on the device (offset -1: the head does not run the branch)."""
+    + l`` over the rings ``(B, H, C, D)`` (any strides but a slot's ``D`` contiguous
+    elements; ``k_ring`` and ``v_ring`` alike), whose slots hold the keys at
+    ``key_positions`` ``(B, C)`` (slots contiguous; a negative position never counts),
+    flagged non-finite in ``bad`` ``(B, H, C)`` bool (any strides); ``branches`` =
+    ``(segment lengths (G,), rates (G,), offsets (G, H))`` int64 on the device (offset
+    -1: the head does not run the branch)."""
     batch, rows, heads, dim = q.shape
     capacity = k_ring.shape[2]
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if k_ring.stride()[2:] != (dim, 1) or v_ring.stride() != k_ring.stride() or key_positions.stride(1) != 1:
+        raise ValueError(
+            "the rings' slots must each hold D contiguous elements, alike in k and v, positions contiguous"
+        )
     programs = batch * heads * rows
     part_m = torch.empty(programs * splits, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -210,7 +226,7 @@ def attend(q, k_ring, v_ring, key_positions, bad, next_positions, branches, scal
         q, k_ring, v_ring, next_positions, key_positions, bad.view(torch.uint8), seg, rate, offsets,
         part_m, part_l, part_o, part_flags,
         scale, rows, heads, capacity, dim, len(seg), ceil_div(ceil_div(capacity, splits), BLOCK_N) * BLOCK_N, splits,
-        *q.stride()[:3],
+        *q.stride()[:3], *k_ring.stride()[:2], key_positions.stride(0), *bad.stride(),
         BLOCK=BLOCK_N, DIM_BLOCK=dim_block,
     )  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
