@@ -210,6 +210,22 @@ def test_rows_near_each_other_share_a_call_and_rows_far_apart_do_not(monkeypatch
         assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10
 
 
+def test_a_late_keys_mask_is_as_wide_as_its_call():
+    """A branch as long as any sequence (one global segment, w = 2**40): rows at
+    different positions share a call whose mask spans their keys only, not the
+    branch's length (which no memory could hold)."""
+    from dilated_attention import DilatedKVCache
+
+    (q, k, v), _, _ = random_inputs(7, 2, 3001, 2, 4)
+    q, k, v = (t.detach() for t in (q, k, v))
+    cache = DilatedKVCache(2, 2, 4, [2**40], [2], start=torch.tensor([0, -2]), dtype=torch.float64)
+    cache.attend(q[:, :3000], k[:, :3000], v[:, :3000])
+    out = cache.attend(q[:, 3000:], k[:, 3000:], v[:, 3000:])  # positions 3000 and 2998: one call, counts differ
+    for row, pad in enumerate([0, 2]):
+        ref, _ = reference_dilated_attention(*(t[row : row + 1, pad:] for t in (q, k, v)), [2**40], [2], is_causal=True)
+        assert max_relative_error(out[row : row + 1], ref[:, -1:]) <= 1e-10
+
+
 @settings(max_examples=60)
 @given(configs(max_len=8), st.integers(1, 40), st.sampled_from([torch.float32, torch.float64]))
 def test_early_steps_read_the_bias_from_a_table(cfg, longer, dtype):

@@ -158,24 +158,21 @@ class DecodeTables:
         over their last ``max(counts)`` keys, row ``i`` attending to its last
         ``counts[i]`` only (``-inf`` before them, ``0`` from there): a view of a mask kept
         per ``max(counts) - counts[i]`` (these stay the same from step to step until a
-        row's segment starts anew)."""
+        row's segment starts anew), a power of two wide, made again once too narrow."""
         longest = max(counts)
         key = (tuple(longest - count for count in counts), dtype)
         mask = self._late_masks.get(key)
         if mask is None or mask.shape[-1] < longest:
-            width = max(self.longest_count, longest)
+            width = 1 << (longest - 1).bit_length()
             before = torch.arange(width, device=device) < torch.tensor(key[0], device=device).view(-1, 1, 1, 1)
             mask = torch.zeros(before.shape, dtype=dtype, device=device).masked_fill_(before, -math.inf)
-            kept = sum(m.numel() for m in self._late_masks.values())
+            # list(): one step, where another thread's step may add a mask meanwhile
+            kept = sum(m.numel() for m in list(self._late_masks.values()))
             if kept + mask.numel() > MAX_LATE_MASK_ELEMENTS:
                 self._late_masks.clear()
-            self._late_masks[key] = mask
+            if mask.numel() <= MAX_LATE_MASK_ELEMENTS:
+                self._late_masks[key] = mask
         return mask[..., :longest]
-
-    @functools.cached_property
-    def longest_count(self) -> int:
-        """The most keys a query attends in one branch: ``ceil(w / r)``."""
-        return max(-(-w // r) for w, r, _, _ in self.branches)
 
     @functools.cached_property
     def _late_masks(self) -> dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor]:
