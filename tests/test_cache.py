@@ -414,6 +414,25 @@ def test_fused_steps_are_the_whole_sequence_rows(cfg, dtype, data):
     kernel_against_reference(data, cfg, dtype, "cpu", kind=DilatedKVCache)
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1 before Triton is imported: conftest.py)",
+)
+def test_fused_steps_over_windows_split_in_several_parts(monkeypatch):
+    """Windows longer than a split's keys: each step's window is cut into up to three
+    splits (one head, one sequence), which the merge joins; the reference's rows."""
+    from dilated_attention.ops import ring_decode
+
+    splits, attend = [], ring_decode.attend
+    monkeypatch.setattr(ring_decode, "attend", lambda *args: splits.append(args[-1]) or attend(*args))
+    (q, k, v), _, _ = random_inputs(3, 1, 150, 1, 8)
+    q, k, v = (t.detach() for t in (q, k, v))
+    cache = DilatedKVCache(1, 1, 8, [40, 140], [1, 3], kernel="triton")
+    out = torch.cat([cache.attend(*(t[:, i : i + 1].float() for t in (q, k, v))) for i in range(150)], 1)
+    ref, _ = reference_dilated_attention(q, k, v, [40, 140], [1, 3], is_causal=True)
+    assert max(splits) == 3 and max_relative_error(out, ref) <= TOLERANCES[torch.float32]
+
+
 def test_kernel_choices_are_checked_before_anything_is_written():
     with pytest.raises(ValueError, match="kernel must be one of"):
         DilatedKVCache(1, 2, 4, [8], [1], kernel="cuda")
