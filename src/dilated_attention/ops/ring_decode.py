@@ -36,6 +36,8 @@ from .intmath import ceil_div
 BLOCK_N = 64
 # Programs a step aims for on a GPU, per multiprocessor (splits of the ring add up to it).
 PROGRAMS_PER_SM = 4
+# The most splits of one row: the merge holds them all in one tile (splits x head dim floats).
+MAX_SPLITS = 64
 
 
 @triton.jit
@@ -167,8 +169,8 @@ def _combine_kernel(
 def splits_for(device: torch.device, rows: int, capacity: int) -> int:
     """How many splits of the ring a step's ``rows`` (query rows times heads times
     sequences) take: enough programs to fill the GPU (on the CPU, a few), each at
-    least :data:`BLOCK_N` keys."""
-    return max(1, min(ceil_div(capacity, BLOCK_N), ceil_div(_programs(device), rows)))
+    least :data:`BLOCK_N` keys, at most :data:`MAX_SPLITS`."""
+    return max(1, min(ceil_div(capacity, BLOCK_N), ceil_div(_programs(device), rows), MAX_SPLITS))
 
 
 @functools.cache
