@@ -60,7 +60,11 @@ def _append_kernel(
     source = b.to(tl.int64) * s_nb + (bl % rows) * s_nl + h * s_nh + d
     k = tl.load(NEW_K + source, mask=inside, other=0.0)
     v = tl.load(NEW_V + source, mask=inside, other=0.0)
-    bad = tl.max(((k != k) | (v != v) | (tl.abs(k) == float("inf")) | (tl.abs(v) == float("inf"))).to(tl.int32), 0)
+    # checked in float32: the interpreter's bfloat16 NaN compared equal to itself
+    kf, vf = k.to(tl.float32), v.to(tl.float32)
+    bad = tl.max(
+        ((kf != kf) | (vf != vf) | (tl.abs(kf) == float("inf")) | (tl.abs(vf) == float("inf"))).to(tl.int32), 0
+    )
     ring_row = (b.to(tl.int64) * heads + h) * capacity + slot
     tl.store(K + ring_row * dim + d, tl.where(bad > 0, 0.0, k).to(K.dtype.element_ty), mask=inside)
     tl.store(V + ring_row * dim + d, tl.where(bad > 0, 0.0, v).to(V.dtype.element_ty), mask=inside)
