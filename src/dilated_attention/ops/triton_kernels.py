@@ -50,7 +50,9 @@ DECODE_ROWS = 16
 
 @triton.jit
 def _nonfinite_rows(x):
-    """Rows of a tile holding a NaN or an infinity (int1, one per row)."""
+    """Rows of a tile holding a NaN or an infinity (int1, one per row), checked in
+    float32 (Triton's interpreter compared a bfloat16 NaN equal to itself)."""
+    x = x.to(tl.float32)
     bad = (x != x) | (x == float("inf")) | (x == float("-inf"))
     return tl.max(bad.to(tl.int32), axis=1) > 0
 
