@@ -1,7 +1,10 @@
 """Random inputs and hypothesis strategies shared by the tests."""
 
 import contextlib
+import importlib.util
+import os
 
+import pytest
 import torch
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -12,6 +15,12 @@ from dilated_attention.ops.plan import HEAD_OFFSETS, MODES, window_start_needed
 from dilated_attention.tools.check import TOLERANCES, max_relative_error
 
 MEMORY_LAYOUTS = ("contiguous", "head_dim_strided", "sliced", "expanded")
+# Whether Triton's interpreter runs the fused kernels here (conftest.py sets
+# TRITON_INTERPRET=1 before anything imports Triton, where CUDA is absent).
+INTERPRETED = importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="needs Triton's interpreter (TRITON_INTERPRET=1 before Triton is imported: conftest.py)"
+)
 
 
 def with_memory_layout(x: torch.Tensor, memory: str) -> torch.Tensor:

@@ -2,18 +2,16 @@
 output row for row, in memory bounded by the longest segment."""
 
 import copy
-import importlib.util
-import os
 import re
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, reference_dilated_attention
 from dilated_attention.tools.check import TOLERANCES, max_relative_error
-from helpers import configs, feed, kernel_against_reference, random_inputs, split_config
+from helpers import configs, feed, needs_interpreter, random_inputs, split_config
 
 
 @st.composite
@@ -400,24 +398,7 @@ def test_a_batch_of_another_size_names_the_caches():
     assert model(torch.randint(0, 11, (1, 2), generator=gen), cache=cache).shape == (1, 2, 11)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs Triton's interpreter (TRITON_INTERPRET=1 before Triton is imported: conftest.py)",
-)
-@settings(max_examples=int(os.environ.get("TRITON_MAX_EXAMPLES", "6")))
-@given(configs(max_len=14, max_heads=3), st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.data())
-def test_fused_steps_are_the_whole_sequence_rows(cfg, dtype, data):
-    """Steps of a few rows on the fused launches (in Triton's interpreter) over the
-    window of keys, every row in one launch whatever its position: every mode, head
-    mapping, scale, chunking and left padding, with NaN and infinities (whose steps,
-    and all later ones, take the engine), against the reference."""
-    kernel_against_reference(data, cfg, dtype, "cpu", kind=DilatedKVCache)
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs Triton's interpreter (TRITON_INTERPRET=1 before Triton is imported: conftest.py)",
-)
+@needs_interpreter
 def test_fused_steps_over_windows_split_in_several_parts(monkeypatch):
     """Windows longer than a split's keys: each step's window is cut into up to three
     splits (one head, one sequence), which the merge joins; the reference's rows."""

@@ -1,7 +1,6 @@
 """StaticKVCache: the same rows as the reference, with fixed shapes, and a decode
 loop that compiles once under torch.compile(fullgraph=True)."""
 
-import importlib.util
 import os
 
 import pytest
@@ -13,7 +12,18 @@ from hypothesis import strategies as st
 from dilated_attention import DilatedKVCache, StaticKVCache, reference_dilated_attention
 from dilated_attention.models import LongNetConfig, LongNetLM
 from dilated_attention.tools.check import TOLERANCES, max_relative_error
-from helpers import chunks, configs, feed, kernel_against_reference, poison, random_inputs, split_config, static_cache
+from helpers import (
+    INTERPRETED,
+    chunks,
+    configs,
+    feed,
+    kernel_against_reference,
+    needs_interpreter,
+    poison,
+    random_inputs,
+    split_config,
+    static_cache,
+)
 
 
 @given(configs(max_len=36), st.integers(1, 4), st.data())
@@ -45,16 +55,17 @@ def test_static_low_precision(cfg, dtype):
     assert out.dtype == dtype and max_relative_error(out, ref) <= TOLERANCES[dtype]
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs Triton's interpreter (TRITON_INTERPRET=1 before Triton is imported: conftest.py)",
-)
+@needs_interpreter
+@pytest.mark.parametrize("kind", [StaticKVCache, DilatedKVCache])
 @settings(max_examples=int(os.environ.get("TRITON_MAX_EXAMPLES", "6")))
 @given(configs(max_len=14, max_heads=3), st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.data())
-def test_static_kernel_rows_are_the_whole_sequence_rows(cfg, dtype, data):
+def test_fused_steps_are_the_whole_sequence_rows(kind, cfg, dtype, data):
     """The fused launches (in Triton's interpreter) of every mode, head mapping, scale,
-    chunking and padding, with NaN and infinities, against the reference."""
-    kernel_against_reference(data, cfg, dtype, "cpu")
+    chunking and padding, with NaN and infinities, against the reference: over the
+    static cache's ring, and over a DilatedKVCache's window, every row in one launch
+    whatever its position (once a NaN or an infinity is cached, its steps take the
+    engine)."""
+    kernel_against_reference(data, cfg, dtype, "cpu", kind=kind)
 
 
 def test_a_compiled_decode_loop_compiles_once():
@@ -142,7 +153,7 @@ def test_static_cache_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match=r"kernel='triton' cannot run this step: torch\.float64 is not fused"):
         wide.attend(x, x, x)
     assert wide.position.tolist() == [0]  # refused before anything was written
-    if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         fused = StaticKVCache(1, 2, 4, [8], [1], kernel="triton")
         with pytest.raises(ValueError, match=r"no backward \(q requires grad\)"):
             fused.attend(x.float().requires_grad_(), x.float(), x.float())
