@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import DilatedKVCache, reference_dilated_attention
+from dilated_attention.nn.cache import MIN_SLOTS
 from dilated_attention.tools.check import TOLERANCES, max_relative_error
 from helpers import configs, feed, needs_interpreter, random_inputs, split_config
 
@@ -82,6 +83,22 @@ def test_memory_stays_bounded_over_a_million_tokens():
         assert cache.cached_positions < max(segs)
         assert cache.nbytes <= 4 * (max(segs) + 1) * per_position
     assert int(cache.position) == 2**20 + 2500
+
+
+@pytest.mark.parametrize("segs", [[2], [8, 32], [64, 256]])
+def test_a_new_cache_writes_its_first_steps_in_place(segs):
+    """A new cache's first buffers hold MIN_SLOTS positions (twice the longest segment
+    where that is fewer): its first steps write into them without moving to larger
+    ones; the buffers stay within max_nbytes at every step."""
+    cache = DilatedKVCache(1, 2, 4, segs, [1] * len(segs))
+    slots = min(MIN_SLOTS, 2 * max(segs))
+    tokens = torch.randn(2 * slots, 1, 1, 2, 4)
+    sizes = []
+    for token in tokens:
+        cache.attend(token, token, token)
+        sizes.append(cache.nbytes)
+        assert cache.nbytes <= cache.max_nbytes()
+    assert sizes[: slots - 1] == [slots * 2 * 2 * 4 * 4] * (slots - 1)  # keys and values, H=2, D=4, float32
 
 
 @given(

@@ -86,14 +86,14 @@ class CacheSettings:
         where they can run it, with ``"triton"`` wherever they can (else a ``ValueError``
         saying why), never with ``"torch"``."""
         choice = fused.requested(self.kernel)
-        if choice == "torch":
+        if choice == "torch" or (choice == "auto" and q.device.type != "cuda"):
             return False
         reason = fused.why_not_triton(q, 0.0, False, capturable=True)
         if reason is None and torch.is_grad_enabled() and q.requires_grad:
             reason = "the fused launches have no backward (q requires grad)"
         if choice == "triton" and reason is not None:
             raise ValueError(f"kernel='triton' cannot run this step: {reason}; or use kernel='auto' or 'torch'")
-        return reason is None and (choice == "triton" or q.device.type == "cuda")
+        return reason is None
 
     @functools.cached_property
     def _ring_branches(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,6 +120,12 @@ def check_starts(start, batch: int, segment_lengths) -> list[int]:
                 "the cache never saw; start at 0, or at a negative position to left-pad"
             )
     return starts
+
+
+# The fewest slots a cache's buffers have (or twice the longest segment, where that is
+# fewer): a new cache would otherwise move its keys to new buffers at positions 1, 2,
+# 4, 8, ..., each move a fresh allocation.
+MIN_SLOTS = 64
 
 
 def _moved(t: torch.Tensor, capacity: int, kept: slice, dim: int) -> torch.Tensor:
@@ -158,10 +164,10 @@ class DilatedKVCache(CacheSettings):
 
     Memory is bounded whatever the length: per sequence it keeps fewer than
     ``max(segment_lengths)`` past positions (only those a later query may attend to),
-    in buffers of at most ``4 * (kept + L)`` positions for a chunk of ``L`` (between
-    ``kept + L`` and that, they are reused; when full, or after a long chunk, the kept
-    positions move to new buffers of twice their size with the chunk, so copying
-    costs ``O(1)`` per position). ``nbytes`` is their size.
+    in buffers of at most ``4 * (kept + L)`` positions for a chunk of ``L``, or
+    :data:`MIN_SLOTS` (between ``kept + L`` and that, they are reused; when full, or
+    after a long chunk, the kept positions move to new buffers of twice their size
+    with the chunk, so copying costs ``O(1)`` per position). ``nbytes`` is their size.
 
     ``start``: the position of each sequence's first token (an int or a ``(B,)``
     integer tensor). A negative start left-pads: a batch of prompts of different
@@ -218,6 +224,7 @@ class DilatedKVCache(CacheSettings):
             device,
             kernel,
         )
+        self._min_slots = min(MIN_SLOTS, 2 * max(self.segment_lengths))
         self.reset(start)
 
     def reset(self, start: int | torch.Tensor = 0) -> None:
@@ -227,6 +234,7 @@ class DilatedKVCache(CacheSettings):
         order = self._set_order(starts)
         self._position = [starts[s] for s in order]
         self._stored_from = list(self._position)  # earliest position kept, per row
+        self._kept = 0  # the most positions a row keeps: max(position - stored_from)
         self._until_window_moves = 0  # positions to come before some row's window start may move
         # Key-head-major, (B, H, slots, D): a decode step's window is contiguous per head.
         batch, heads, dim = len(starts), *self.shape[1:]
@@ -260,7 +268,10 @@ class DilatedKVCache(CacheSettings):
     @property
     def cached_positions(self) -> int:
         """The most past positions any sequence keeps (below ``max(segment_lengths)``)."""
-        return max(p - s for p, s in zip(self._position, self._stored_from, strict=True))
+        return self._kept
+
+    def _count_kept(self) -> None:
+        self._kept = max(p - s for p, s in zip(self._position, self._stored_from, strict=True))
 
     @property
     def nbytes(self) -> int:
@@ -292,6 +303,7 @@ class DilatedKVCache(CacheSettings):
         self._bad = None if self._bad is None else self._bad.index_select(0, index)
         self._position = [self._position[source] for source in sources]
         self._stored_from = [self._stored_from[source] for source in sources]
+        self._count_kept()
         self.shape = (len(rows), *self.shape[1:])
 
     def _append(self, k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None) -> int:
@@ -299,7 +311,7 @@ class DilatedKVCache(CacheSettings):
         non-finite rows, ``(B, L, H)``, or ``None``: none); return the slot of their
         first row."""
         length = k.shape[1]
-        kept = self.cached_positions
+        kept = self._kept
         if flags is not None and self._bad is None:
             self._bad = torch.zeros(
                 self._k.shape[0], self._k.shape[2], self._k.shape[1], dtype=torch.bool, device=self.device
@@ -308,8 +320,8 @@ class DilatedKVCache(CacheSettings):
         # New buffers when full, far too large, or made in (or out of) inference mode
         # and now written out of (or in) it.
         stale = self._k.is_inference() != torch.is_inference_mode_enabled()
-        if self._end + length > capacity or capacity > 4 * (kept + length) or stale:
-            capacity = 2 * (kept + length)
+        if self._end + length > capacity or capacity > max(4 * (kept + length), self._min_slots) or stale:
+            capacity = max(2 * (kept + length), self._min_slots)
             kept_slots = slice(self._end - kept, self._end)
             self._k, self._v = (_moved(t, capacity, kept_slots, dim=2) for t in (self._k, self._v))
             self._bad = None if self._bad is None else _moved(self._bad, capacity, kept_slots, dim=1)
@@ -349,6 +361,7 @@ class DilatedKVCache(CacheSettings):
             out = out.index_select(0, self._sequences)
         length = q.shape[1]
         self._position = [position + length for position in self._position]
+        self._kept += length
         self._until_window_moves -= length
         if self._until_window_moves <= 0:
             self._move_window_starts()
@@ -363,6 +376,7 @@ class DilatedKVCache(CacheSettings):
             max(kept, _needed_from(position, self.segment_lengths))
             for kept, position in zip(self._stored_from, self._position, strict=True)
         ]
+        self._count_kept()
         self._until_window_moves = min(
             min(w - position % w for w in self.segment_lengths) if position >= 0 else 1 for position in self._position
         )
@@ -414,9 +428,9 @@ class DilatedKVCache(CacheSettings):
             return None
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return None
-        if self._takes_kernel(q):
+        if self._takes_kernel(q):  # (which raises where "triton" is asked for and cannot run)
             path = "triton"
-        elif self.device.type == "cpu" and fused.requested(self.kernel) != "triton":
+        elif self.device.type == "cpu":
             path = "torch"
         else:
             return None
