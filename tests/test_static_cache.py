@@ -148,11 +148,11 @@ def test_static_cache_refuses_what_it_cannot_take():
         StaticKVCache(1, 2, 4, [2**40], [1])
     with pytest.raises(ValueError, match="kernel must be one of"):
         StaticKVCache(1, 2, 4, [8], [1], kernel="cuda")
-    wide = StaticKVCache(1, 2, 4, [8], [1], dtype=torch.float64, kernel="triton")
+    with pytest.raises(ValueError, match=r"kernel='triton' cannot run this cache's steps: torch\.float64 is not fused"):
+        StaticKVCache(1, 2, 4, [8], [1], dtype=torch.float64, kernel="triton")
+    with pytest.raises(ValueError, match=r"cannot run this cache's steps: head_dim 512 is above 256"):
+        StaticKVCache(1, 2, 512, [8], [1], kernel="triton")
     x = torch.randn(1, 1, 2, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"kernel='triton' cannot run this step: torch\.float64 is not fused"):
-        wide.attend(x, x, x)
-    assert wide.position.tolist() == [0]  # refused before anything was written
     if INTERPRETED:
         fused = StaticKVCache(1, 2, 4, [8], [1], kernel="triton")
         with pytest.raises(ValueError, match=r"no backward \(q requires grad\)"):

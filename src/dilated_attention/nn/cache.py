@@ -78,7 +78,14 @@ class CacheSettings:
         self.shape = (int(batch), int(num_heads), int(head_dim))
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
-        fused.requested(kernel)  # a ValueError for an unknown choice, before anything is made
+        if fused.requested(kernel) == "triton":  # (a ValueError for an unknown choice)
+            # what the configuration alone rules out, refused before anything is made
+            step = torch.empty((1, 1, num_heads, head_dim), dtype=dtype, device=self.device)
+            reason = fused.why_not_triton(step, 0.0, False, capturable=True)
+            if reason is not None:
+                raise ValueError(
+                    f"kernel='triton' cannot run this cache's steps: {reason}; or use kernel='auto' or 'torch'"
+                )
         self.kernel = kernel
 
     def _takes_kernel(self, q: torch.Tensor) -> bool:
