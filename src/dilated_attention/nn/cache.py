@@ -47,7 +47,7 @@ class CacheSettings:
     _kernel_scale: float
     dtype: torch.dtype
     device: torch.device
-    kernel: str | None
+    kernel: str  # "auto", "triton" or "torch": as given, else as $DILATED_ATTENTION_KERNEL says when made
 
     def _configure(
         self,
@@ -78,7 +78,8 @@ class CacheSettings:
         self.shape = (int(batch), int(num_heads), int(head_dim))
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
-        if fused.requested(kernel) == "triton":  # (a ValueError for an unknown choice)
+        kernel = fused.requested(kernel)  # a ValueError for an unknown choice; the environment read once
+        if kernel == "triton":
             # what the configuration alone rules out, refused before anything is made
             step = torch.empty((1, 1, num_heads, head_dim), dtype=dtype, device=self.device)
             reason = fused.why_not_triton(step, 0.0, False, capturable=True)
@@ -92,7 +93,7 @@ class CacheSettings:
         """Whether a step runs the fused Triton launches: with ``kernel="auto"`` on CUDA
         where they can run it, with ``"triton"`` wherever they can (else a ``ValueError``
         saying why), never with ``"torch"``."""
-        choice = fused.requested(self.kernel)
+        choice = self.kernel
         if choice == "torch" or (choice == "auto" and q.device.type != "cuda"):
             return False
         reason = fused.why_not_triton(q, 0.0, False, capturable=True)
@@ -184,9 +185,9 @@ class DilatedKVCache(CacheSettings):
     be a multiple of every segment length (no earlier key can be needed). Starts lie
     in ``[-2**62, 2**62]`` (positions are int64).
 
-    ``kernel``: ``"auto"`` (the default, or ``$DILATED_ATTENTION_KERNEL``) runs a step
-    of a few rows (at most 16 per sequence, nothing to differentiate, no NaN or
-    infinity) on CUDA as two fused Triton launches over the window of keys
+    ``kernel``: ``"auto"`` (the default, or ``$DILATED_ATTENTION_KERNEL`` when the
+    cache is made) runs a step of a few rows (at most 16 per sequence, nothing to
+    differentiate, no NaN or infinity) on CUDA as two fused Triton launches over the window of keys
     (:mod:`dilated_attention.ops.ring_decode`: one for every row, whatever its
     position, and one to merge its splits), and on the CPU as the lean path's few
     PyTorch operations (:mod:`dilated_attention.ops.decode`); longer chunks, and steps

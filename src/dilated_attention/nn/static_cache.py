@@ -37,12 +37,13 @@ class StaticKVCache(CacheSettings):
 
     The arguments are :class:`DilatedKVCache`'s (``start`` left-pads the same way),
     plus ``max_chunk``: the most positions one call takes, and ``kernel``: ``"auto"``
-    (the default, or ``$DILATED_ATTENTION_KERNEL``) runs a step on CUDA as three fused
-    Triton launches (:mod:`dilated_attention.ops.ring_decode`) whose arguments never
-    change, so a CUDA graph captures them, and elsewhere, under ``torch.compile`` or
-    where ``q`` requires grad as PyTorch operations (gradients reach ``q``; keys are
-    stored detached); ``"triton"`` asks for the launches (on the CPU in Triton's
-    interpreter), ``"torch"`` for the operations. Both compute the same rows.
+    (the default, or ``$DILATED_ATTENTION_KERNEL`` when the cache is made) runs a step
+    on CUDA as three fused Triton launches (:mod:`dilated_attention.ops.ring_decode`)
+    whose arguments never change, so a CUDA graph captures them, and elsewhere, under
+    ``torch.compile`` or where ``q`` requires grad as PyTorch operations (gradients
+    reach ``q``; keys are stored detached); ``"triton"`` asks for the launches (on the
+    CPU in Triton's interpreter), ``"torch"`` for the operations. Both compute the
+    same rows.
     """
 
     def __init__(
