@@ -127,12 +127,13 @@ def test_decode_steps_through_the_cache_run_the_fused_kernels(cfg, data):
     batch, total = cfg["batch"], cfg["seq_len"]
     pads = [data.draw(st.integers(0, total - 1)) for _ in range(batch)]
     prompt = data.draw(st.integers(1, total))
-    cache = cache_from_config(DilatedKVCache, cfg, attn, pads)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(fused.KERNEL_ENV, "triton")
+        patch.setenv(fused.KERNEL_ENV, "triton")  # read when the cache is made
+        cache = cache_from_config(DilatedKVCache, cfg, attn, pads)
         outs = [cache.attend(*(t[:, :prompt] for t in tensors))]
         outs += [cache.attend(*(t[:, i : i + 1] for t in tensors)) for i in range(prompt, total)]
     out = torch.cat(outs, 1)
+    assert cache.kernel == "triton"
     for row, pad in enumerate(pads):
         ref, _ = reference_dilated_attention(*(t[row : row + 1, pad:].double() for t in tensors), **attn)
         assert max_relative_error(out[row : row + 1, pad:], ref) <= tolerance(torch.float32, attn["softmax_scale"])
