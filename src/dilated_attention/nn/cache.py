@@ -172,10 +172,11 @@ class DilatedKVCache(CacheSettings):
 
     Memory is bounded whatever the length: per sequence it keeps fewer than
     ``max(segment_lengths)`` past positions (only those a later query may attend to),
-    in buffers of at most ``4 * (kept + L)`` positions for a chunk of ``L``, or
-    :data:`MIN_SLOTS` (between ``kept + L`` and that, they are reused; when full, or
-    after a long chunk, the kept positions move to new buffers of twice their size
-    with the chunk, so copying costs ``O(1)`` per position). ``nbytes`` is their size.
+    in buffers of at most ``4 * (kept + L)`` positions for a chunk of ``L``, or of
+    :data:`MIN_SLOTS` = 64 where that is more (twice the longest segment where that is
+    fewer). Between ``kept + L`` and that, they are reused; when full, or after a long
+    chunk, the kept positions move to new buffers of twice their size with the chunk,
+    so copying costs ``O(1)`` per position. ``nbytes`` is their size.
 
     ``start``: the position of each sequence's first token (an int or a ``(B,)``
     integer tensor). A negative start left-pads: a batch of prompts of different
@@ -187,13 +188,14 @@ class DilatedKVCache(CacheSettings):
 
     ``kernel``: ``"auto"`` (the default, or ``$DILATED_ATTENTION_KERNEL`` when the
     cache is made) runs a step of a few rows (at most 16 per sequence, nothing to
-    differentiate, no NaN or infinity) on CUDA as two fused Triton launches over the window of keys
-    (:mod:`dilated_attention.ops.ring_decode`: one for every row, whatever its
-    position, and one to merge its splits), and on the CPU as the lean path's few
-    PyTorch operations (:mod:`dilated_attention.ops.decode`); longer chunks, and steps
-    with gradients or non-finite values, run the engine. ``"triton"`` asks for the
-    launches (on the CPU in Triton's interpreter) and the engine's Triton kernels,
-    ``"torch"`` for PyTorch's operations and kernels. All compute the same rows.
+    differentiate, no NaN or infinity) on CUDA as two fused Triton launches over the
+    window of keys (:mod:`dilated_attention.ops.ring_decode`: one for every row,
+    whatever its position, and one to merge its splits), and on the CPU as the lean
+    path's few PyTorch operations (:mod:`dilated_attention.ops.decode`); longer
+    chunks, and steps with gradients or non-finite values, run the engine.
+    ``"triton"`` asks for the launches (on the CPU in Triton's interpreter) and the
+    engine's Triton kernels, ``"torch"`` for PyTorch's operations and kernels. All
+    compute the same rows.
 
     A call that raises leaves the cache as it was: every check runs before the keys
     are appended, and should the attention itself fail, the append is undone.
