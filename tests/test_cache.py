@@ -429,12 +429,3 @@ def test_fused_steps_over_windows_split_in_several_parts(monkeypatch):
     out = torch.cat([cache.attend(*(t[:, i : i + 1].float() for t in (q, k, v))) for i in range(150)], 1)
     ref, _ = reference_dilated_attention(q, k, v, [40, 140], [1, 3], is_causal=True)
     assert max(splits) == 3 and max_relative_error(out, ref) <= TOLERANCES[torch.float32]
-
-
-def test_kernel_choices_are_checked_before_anything_is_written():
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        DilatedKVCache(1, 2, 4, [8], [1], kernel="cuda")
-    with pytest.raises(ValueError, match=r"kernel='triton' cannot run this cache's steps: torch\.float64 is not fused"):
-        DilatedKVCache(1, 2, 4, [8], [1], dtype=torch.float64, kernel="triton")
-    with pytest.raises(ValueError, match=r"cannot run this cache's steps: head_dim 512 is above 256"):
-        DilatedKVCache(1, 2, 512, [8], [1], kernel="triton")

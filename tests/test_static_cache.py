@@ -135,6 +135,18 @@ def test_static_cache_matches_the_dynamic_one_and_reorders():
     assert static.position.tolist() == [21, 21] and static.nbytes == static.max_nbytes()
 
 
+@pytest.mark.parametrize("kind", [StaticKVCache, DilatedKVCache])
+def test_kernel_choices_are_refused_when_a_cache_is_made(kind):
+    """An unknown kernel, and kernel="triton" where the dtype or head dim rules the
+    launches out: a ValueError from the constructor, before any step."""
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        kind(1, 2, 4, [8], [1], kernel="cuda")
+    with pytest.raises(ValueError, match=r"kernel='triton' cannot run this cache's steps: torch\.float64 is not fused"):
+        kind(1, 2, 4, [8], [1], dtype=torch.float64, kernel="triton")
+    with pytest.raises(ValueError, match=r"cannot run this cache's steps: head_dim 512 is above 256"):
+        kind(1, 2, 512, [8], [1], kernel="triton")
+
+
 def test_static_cache_refuses_what_it_cannot_take():
     cache = StaticKVCache(1, 2, 4, [8], [1], max_chunk=2)
     x = torch.randn(1, 3, 2, 4)
@@ -146,12 +158,6 @@ def test_static_cache_refuses_what_it_cannot_take():
         StaticKVCache(1, 2, 4, [8], [1], max_chunk=0)
     with pytest.raises(ValueError, match="use DilatedKVCache"):
         StaticKVCache(1, 2, 4, [2**40], [1])
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        StaticKVCache(1, 2, 4, [8], [1], kernel="cuda")
-    with pytest.raises(ValueError, match=r"kernel='triton' cannot run this cache's steps: torch\.float64 is not fused"):
-        StaticKVCache(1, 2, 4, [8], [1], dtype=torch.float64, kernel="triton")
-    with pytest.raises(ValueError, match=r"cannot run this cache's steps: head_dim 512 is above 256"):
-        StaticKVCache(1, 2, 512, [8], [1], kernel="triton")
     x = torch.randn(1, 1, 2, 4, dtype=torch.float64)
     if INTERPRETED:
         fused = StaticKVCache(1, 2, 4, [8], [1], kernel="triton")
