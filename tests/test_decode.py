@@ -174,7 +174,7 @@ def test_rows_of_a_phase_share_a_call_as_a_view_or_gathered(starts, shared, dtyp
     monkeypatch.setattr(decode, "ROW_CALL_COST", 10**12)  # every phase's rows in one call
     last = [s + 20 for s in starts]
     calls = decode.branch_calls(tables, last)[1]
-    assert calls is not None and shared in [call.rows for call in calls if call.r == 2]
+    assert calls is not None and shared in [call.rows for call in calls.plan.calls if call.r == 2]
     low = [t.to(dtype) for t in (q[:, -1:], k.transpose(1, 2), v.transpose(1, 2))]
     out, lse = decode.branch_attention(*low, last, tables, 8**-0.5, calls)
     assert out.dtype == dtype
@@ -200,7 +200,8 @@ def test_rows_near_each_other_share_a_call_and_rows_far_apart_do_not(monkeypatch
     last = [s + 20 for s in starts]
     calls = decode.branch_calls(tables, last)[1]
     assert calls is not None
-    assert [(call.rows, call.counts) for call in calls] == [(slice(0, 3, 1), (16, 15, 14)), (slice(3, 5, 1), (4, 3))]
+    runs = [(call.rows, longest, call.deficits) for call, longest in zip(calls.plan.calls, calls.longest, strict=True)]
+    assert runs == [(slice(0, 3, 1), 16, (0, 1, 2)), (slice(3, 5, 1), 4, (0, 1))]
     out, lse = decode.branch_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), last, tables, 8**-0.5, calls)
     for row, start in enumerate(starts):
         ref, ref_lse = reference_dilated_attention(
@@ -208,6 +209,46 @@ def test_rows_near_each_other_share_a_call_and_rows_far_apart_do_not(monkeypatch
         )
         assert max_relative_error(out[row : row + 1], ref) <= 1e-10
         assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10
+
+
+@settings(max_examples=80)
+@given(
+    configs(max_len=8),
+    st.lists(st.integers(-60, 200), min_size=1, max_size=9),
+    st.integers(1, 200),
+    st.sampled_from([-(10**6), 0, 40, 2048, 10**6]),
+    st.sampled_from([1, 3, decode.MAX_PLANS]),
+)
+def test_kept_plans_give_each_row_its_own_keys(cfg, starts, steps, row_call, kept):
+    """Steps of rows at any positions (padding, segment starts, places far apart),
+    their calls taken from plans kept since earlier steps of these tables: each call's
+    rows and heads are exactly those whose query's phase counts the head in its
+    branch, each once, with the row's own number of keys."""
+    tables = tables_of(cfg, cfg["heads"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode, "ROW_CALL_COST", row_call)  # calls per row, of runs, or of a whole phase
+        patch.setattr(decode, "MAX_PLANS", kept)  # the kept plans dropped often, or seldom
+        for step in range(steps):
+            positions = [start + step for start in starts]
+            _, calls = decode.branch_calls(tables, positions)
+            assert calls is not None  # without a limit
+            expected = {}
+            for branch, (w, r, _, chosen) in enumerate(tables.branches):
+                for row, position in enumerate(positions):
+                    into = position % w
+                    if position >= 0 and into % r < len(chosen):
+                        for head in range(cfg["heads"]):
+                            if chosen[into % r] >> head & 1:
+                                expected[branch, row, head] = into // r + 1
+            found = {}
+            for call, longest in zip(calls.plan.calls, calls.longest, strict=True):
+                assert call.r == tables.branches[call.branch][1]
+                rows = call.rows if isinstance(call.rows, tuple) else range(*call.rows.indices(len(positions)))
+                for row, deficit in zip(rows, call.deficits or [0] * len(rows), strict=True):
+                    for head in range(*call.heads.indices(cfg["heads"])):
+                        assert (call.branch, row, head) not in found
+                        found[call.branch, row, head] = longest - deficit
+            assert found == expected
 
 
 def test_a_late_keys_mask_is_as_wide_as_its_call():

@@ -124,6 +124,10 @@ class DecodeTables:
         return tuple(w for w, _, _, _ in self.branches)
 
     @functools.cached_property
+    def num_heads(self) -> int:
+        return self.branches[0][2][0].shape[0]
+
+    @functools.cached_property
     def first_length(self) -> int:
         """The shortest segment length: positions below it are in every branch's first segment."""
         return min(self.segment_lengths)
@@ -153,14 +157,13 @@ class DecodeTables:
         )
         return view, any(empty[phase : phase + rows])
 
-    def late_keys_mask(self, counts: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
-        """The additive mask ``(len(counts), 1, 1, max(counts))`` of rows that share a call
-        over their last ``max(counts)`` keys, row ``i`` attending to its last
-        ``counts[i]`` only (``-inf`` before them, ``0`` from there): a view of a mask kept
-        per ``max(counts) - counts[i]`` (these stay the same from step to step until a
-        row's segment starts anew), a power of two wide, made again once too narrow."""
-        longest = max(counts)
-        key = (tuple(longest - count for count in counts), dtype)
+    def late_keys_mask(self, deficits: tuple[int, ...], longest: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """The additive mask ``(len(deficits), 1, 1, longest)`` of rows that share a call
+        over their last ``longest`` keys, row ``i`` attending to its last ``longest -
+        deficits[i]`` only (``-inf`` before them, ``0`` from there): a view of a mask kept
+        per ``deficits`` (these stay the same from step to step until a row's segment
+        starts anew), a power of two wide, made again once too narrow."""
+        key = (deficits, dtype)
         mask = self._late_masks.get(key)
         if mask is None or mask.shape[-1] < longest:
             width = 1 << (longest - 1).bit_length()
@@ -179,6 +182,12 @@ class DecodeTables:
         return {}
 
     @functools.cached_property
+    def plans(self) -> dict[tuple, StepPlan]:
+        """:func:`branch_calls`' plans, by their keys (at most :data:`MAX_PLANS`, with
+        about :data:`MAX_PLAN_CELLS` merge index elements in all)."""
+        return {}
+
+    @functools.cached_property
     def reused(self) -> dict[str, tuple]:
         """``"filled"``: the last bias :func:`window_bias` filled, with its arguments."""
         return {}
@@ -190,6 +199,10 @@ class DecodeTables:
 
 # Places in the cycle of segments whose one-row cost DecodeTables.row_cost keeps.
 MAX_ROW_COSTS = 2**16
+# Plans of branch-by-branch steps kept (:func:`branch_calls`), and their merge
+# indices' elements at most (8 MiB).
+MAX_PLANS = 1024
+MAX_PLAN_CELLS = 2**20
 # Elements of the late-key masks kept (:meth:`DecodeTables.late_keys_mask`; 16 MiB in float32).
 MAX_LATE_MASK_ELEMENTS = 2**22
 # Elements of the largest bias kept for the next layer's step (4 MiB in float32).
@@ -206,7 +219,7 @@ def _early_table(tables: DecodeTables, dtype: torch.dtype) -> tuple[torch.Tensor
     after the query); ``empty[t]``: whether some head attends to no key there."""
     period = math.lcm(*(r for _, r, _, _ in tables.branches))
     first_length = tables.first_length
-    heads = tables.branches[0][2][0].shape[0]
+    heads = tables.num_heads
     phases = period + MAX_ROWS
     if phases * heads * (first_length + MAX_ROWS) > MAX_EARLY_TABLE:
         return None, ()
@@ -381,71 +394,121 @@ def window_width(tables: DecodeTables, firsts: Sequence[int], rows: int, num_key
     return max(1, min(num_keys, max(tables.reach(first, first + rows - 1) for first in firsts)))
 
 
-def _phase_groups(tables: DecodeTables, positions: Sequence[int]):
-    """Per branch ``(w, r, chosen, heads_by_phase, groups)``, ``groups`` mapping each
-    phase some row's query has in its segment to ``{row: keys}`` (how many keys that
-    row's query attends in the branch); rows at negative positions are in none."""
-    for (w, r, _, chosen), heads_by_phase in zip(tables.branches, tables.query_heads, strict=True):
-        groups: dict[int, dict[int, int]] = {}
-        for row, position in enumerate(positions):
-            if position >= 0:
-                into = position % w
-                phase = into % r
-                if phase < len(chosen) and chosen[phase]:
-                    groups.setdefault(phase, {})[row] = into // r + 1
-        yield w, r, chosen, heads_by_phase, groups
-
-
 @dataclass(frozen=True)
 class BranchCall:
     """One attention call of the branch-by-branch way: the heads ``heads`` (a slice) of
     the batch rows ``rows`` (a slice, or the rows to gather) against every ``r``-th key
-    back from their queries, ``counts[i]`` keys for the ``i``-th row (the others,
-    before its segment's start, masked); ``branch``: the index of its branch in
-    :attr:`DecodeTables.branches` (the calls of one branch cover each (row, head) at
-    most once)."""
+    back from their queries, as many as the row ``lead`` attends to, the ``i``-th row
+    ``deficits[i]`` fewer (the keys before its segment's start, masked; ``None``: no
+    row fewer); ``branch``: the index of its branch in :attr:`DecodeTables.branches`
+    (the calls of one branch cover each (row, head) at most once); ``weight``: what it
+    costs per key of its lead row, in (key, head) pairs read."""
 
     branch: int
     r: int
     heads: slice
     rows: slice | tuple[int, ...]
-    counts: tuple[int, ...]
+    lead: int
+    deficits: tuple[int, ...] | None
+    weight: float
 
 
-def _grouping(
-    members: dict[int, int], heads_counted: int
-) -> tuple[int, list[tuple[slice | tuple[int, ...], tuple[int, ...]]]]:
-    """``(cost, runs)``: the cheapest way to call the rows ``members`` (row -> its keys,
-    in increasing row order) of one branch and phase for ``heads_counted`` heads, in
-    (key, head) pairs read, as consecutive runs of them, each one call ``(rows,
-    counts)`` reading its longest row's keys for every row: ``rows`` a slice where
-    they are evenly spaced (a view), else the rows to gather (a gather counting as a
-    second read); a mask of the keys before a row's own, where counts differ, makes
-    each pair cost :data:`MASKED_FACTOR`; each call beyond the first counts
+@dataclass(frozen=True)
+class StepPlan:
+    """The calls of :func:`branch_attention` for query rows whose places in their
+    segments stand as the plan's key says (:func:`_places`); ``fixed``: what they cost
+    beyond their keys (:data:`BRANCH_CALLS_COST`, and :data:`ROW_CALL_COST` per call
+    beyond one per branch and phase); ``cells``: where their outputs go in the merge
+    (:func:`_cells`)."""
+
+    calls: tuple[BranchCall, ...]
+    fixed: float
+    cells: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepCalls:
+    """A step's :class:`StepPlan`, and how many keys each call's lead row attends to."""
+
+    plan: StepPlan
+    longest: tuple[int, ...]
+
+
+def _places(tables: DecodeTables, positions: Sequence[int]) -> tuple[list[list[int]], tuple]:
+    """Per branch, each row's place in its segment (``-1`` for a row at a negative
+    position, i.e. padding), and the key of the step's :class:`StepPlan`: per branch,
+    the first row's place modulo ``r``, the places relative to it (``None`` for
+    padding), and the largest rounded down to three significant bits. Rows advance
+    together, so the key recurs every ``r``-th step until a row's segment starts anew
+    or the places grow by an eighth to a quarter. The calls' rows, heads and masks
+    follow from the key (their runs chosen for key counts of that size), their key
+    counts from the places."""
+    places, key = [], []
+    for w, r, _, _ in tables.branches:
+        into = [p % w if p >= 0 else -1 for p in positions]
+        first, most = into[0], max(into)
+        shift = max(most.bit_length() - 3, 0)
+        key.append((first % r, most >> shift << shift, tuple(place - first if place >= 0 else None for place in into)))
+        places.append(into)
+    return places, tuple(key)
+
+
+def _plan(tables: DecodeTables, places: Sequence[Sequence[int]], num_heads: int) -> StepPlan:
+    """The :class:`StepPlan` of rows at ``places`` (:func:`_places`): per branch and per
+    phase some row's query has in its segment, the rows of that phase in runs
+    (:func:`_grouping`)."""
+    fixed, calls = float(BRANCH_CALLS_COST), []
+    for branch, ((_, r, _, chosen), heads_by_phase) in enumerate(zip(tables.branches, tables.query_heads, strict=True)):
+        groups: dict[int, dict[int, int]] = {}
+        for row, into in enumerate(places[branch]):
+            phase = into % r
+            if into >= 0 and phase < len(chosen) and chosen[phase]:
+                groups.setdefault(phase, {})[row] = into // r + 1
+        for phase, members in groups.items():
+            heads = heads_by_phase[phase]
+            assert heads is not None  # a phase that counts some head: below w
+            runs = _grouping(members, chosen[phase].bit_count())
+            fixed += ROW_CALL_COST * (len(runs) - 1)
+            for rows, counts, weight in runs:
+                longest = max(counts)
+                deficits = None if min(counts) == longest else tuple(longest - count for count in counts)
+                lead = rows[counts.index(longest)]
+                calls.append(BranchCall(branch, r, heads, _rows_index(rows), lead, deficits, weight))
+    return StepPlan(tuple(calls), fixed, _cells(calls, len(places[0]), num_heads))
+
+
+def _grouping(members: dict[int, int], heads_counted: int) -> list[tuple[list[int], list[int], float]]:
+    """The cheapest way to call the rows ``members`` (row -> its keys, in increasing row
+    order) of one branch and phase for ``heads_counted`` heads, in (key, head) pairs
+    read, as consecutive runs of them ``(rows, counts, weight)``, each one call reading
+    its longest row's keys for every row, ``weight`` pairs per key: ``rows`` a slice
+    where they are evenly spaced (a view), else the rows to gather (a gather counting
+    as a second read); a mask of the keys before a row's own, where counts differ,
+    makes each pair cost :data:`MASKED_FACTOR`; each call beyond the first costs
     :data:`ROW_CALL_COST`. Rows far apart in their segments are called apart, rows
     near each other together (a shortest path over the places between runs, runs of
     at most :data:`MAX_RUN` rows)."""
     rows, counts = list(members), list(members.values())
     if len(rows) == 1 or (min(counts) == counts[0] == max(counts) and _evenly_spaced(rows)):
-        return len(rows) * heads_counted * counts[0], [(_rows_index(rows), tuple(counts))]
-    # best[end]: the cost of calling rows[:end]; start[end]: where its last run starts
-    best, start = [0] + [math.inf] * len(rows), [0] * (len(rows) + 1)
+        return [(rows, counts, len(rows) * heads_counted)]
+    # best[end]: the cost of calling rows[:end]; start[end], factor[end]: its last run's
+    best, start, factor = [0.0] + [math.inf] * len(rows), [0] * (len(rows) + 1), [1.0] * (len(rows) + 1)
     for end in range(1, len(rows) + 1):
         longest, lowest, even = 0, math.inf, True
         for first in range(end - 1, max(end - 1 - MAX_RUN, -1), -1):
             longest, lowest = max(longest, counts[first]), min(lowest, counts[first])
             if first + 2 < end:
                 even = even and rows[first + 1] - rows[first] == rows[first + 2] - rows[first + 1]
-            factor = (1 if even else 2) * (1 if lowest >= longest else MASKED_FACTOR)
-            cost = best[first] + factor * (end - first) * heads_counted * longest + ROW_CALL_COST
+            each = (1 if even else 2) * (1 if lowest >= longest else MASKED_FACTOR)
+            cost = best[first] + each * (end - first) * heads_counted * longest + ROW_CALL_COST
             if cost < best[end]:
-                best[end], start[end] = cost, first
+                best[end], start[end], factor[end] = cost, first, each
     runs, end = [], len(rows)
     while end:
         first = start[end]
-        runs.append((_rows_index(rows[first:end]), tuple(counts[first:end])))
+        runs.append((rows[first:end], counts[first:end], factor[end] * (end - first) * heads_counted))
         end = first
-    return int(best[-1] - ROW_CALL_COST), runs[::-1]
+    return runs[::-1]
 
 
 def _evenly_spaced(rows: Sequence[int]) -> bool:
@@ -462,27 +525,28 @@ def _rows_index(rows: Sequence[int]) -> slice | tuple[int, ...]:
 
 def branch_calls(
     tables: DecodeTables, positions: Sequence[int], limit: float = math.inf
-) -> tuple[int, list[BranchCall] | None]:
+) -> tuple[int, StepCalls | None]:
     """The calls of :func:`branch_attention` for one query row per sequence at
     ``positions``, and their cost in (key, head) pairs read (:data:`BRANCH_CALLS_COST`
     for the calls and merges, and each call's pairs): per branch and per phase some
-    row's query has in its segment, one call of the rows of that phase, or one call
-    per row where that reads fewer pairs than the longest row's keys for every row
-    (rows far apart in their segments) by more than the calls cost (:func:`_grouping`).
-    The calls are ``None`` once the cost reaches ``limit`` (another way is cheaper,
-    whatever the rest would cost), the cost then summed only that far."""
-    cost = BRANCH_CALLS_COST
-    calls: list[BranchCall] = []
-    if cost >= limit:  # short windows: the common case, answered at once
-        return cost, None
-    for branch, (_w, r, chosen, heads_by_phase, groups) in enumerate(_phase_groups(tables, positions)):
-        for phase, members in groups.items():
-            pairs, runs = _grouping(members, chosen[phase].bit_count())
-            cost += pairs
-            if cost >= limit:
-                return cost, None
-            calls.extend(BranchCall(branch, r, heads_by_phase[phase], rows, counts) for rows, counts in runs)
-    return cost, calls
+    row's query has in its segment, the rows of that phase in runs of rows near each
+    other in their segments (:func:`_grouping`). The calls are ``None`` where the cost
+    reaches ``limit`` (another way is cheaper). Their plan is kept per key
+    (:func:`_places`): a left-padded batch's step plans anew only where its rows'
+    places changed otherwise than by the step itself, and the model's layers share it."""
+    if limit <= BRANCH_CALLS_COST:  # short windows: the common case, answered at once
+        return BRANCH_CALLS_COST, None
+    places, key = _places(tables, positions)
+    key = (key, BRANCH_CALLS_COST, ROW_CALL_COST, MASKED_FACTOR, MAX_RUN)  # what the plan was chosen by
+    plan = tables.plans.get(key)
+    if plan is None:
+        plan = _plan(tables, places, tables.num_heads)
+        if len(tables.plans) >= min(MAX_PLANS, MAX_PLAN_CELLS // max(plan.cells.numel(), 1)):
+            tables.plans.clear()
+        tables.plans[key] = plan
+    longest = tuple(places[call.branch][call.lead] // call.r + 1 for call in plan.calls)
+    cost = int(plan.fixed + sum(call.weight * keys for call, keys in zip(plan.calls, longest, strict=True)))
+    return cost, (StepCalls(plan, longest) if cost < limit else None)
 
 
 def branch_attention(
@@ -492,7 +556,7 @@ def branch_attention(
     positions: Sequence[int],
     tables: DecodeTables,
     scale: float,
-    calls: Sequence[BranchCall] | None = None,
+    calls: StepCalls | None = None,
 ):
     """``(out, lse)`` as :func:`window_attention` gives them, for one query row per
     sequence at ``positions`` (no padding mask), computed branch by branch: for each
@@ -513,15 +577,14 @@ def branch_attention(
     if calls is None:
         calls = branch_calls(tables, positions)[1]
         assert calls is not None  # without a limit
-    parts: list[tuple[int, slice, slice | tuple[int, ...], torch.Tensor, torch.Tensor]] = []
-    for call in calls:
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for call, longest in zip(calls.plan.calls, calls.longest, strict=True):
         kv_heads = call.heads
         if groups_per_kv > 1:
             kv, _, gathered = key_heads(call.heads.indices(num_heads), groups_per_kv)
             if gathered is not None or kv is None:
                 return None
             kv_heads = slice(*kv)
-        longest = max(call.counts)
         keys = slice(end - 1 - (longest - 1) * call.r, end, call.r)
         rows = call.rows
         if isinstance(rows, slice):
@@ -532,30 +595,34 @@ def branch_attention(
                 t.index_select(0, index) for t in (queries[:, call.heads], k[:, kv_heads, keys], v[:, kv_heads, keys])
             )
         # a row's keys before its segment's start, where its call reads further back for others
-        mask = None if min(call.counts) == longest else tables.late_keys_mask(call.counts, acc, q.device)
+        mask = None if call.deficits is None else tables.late_keys_mask(call.deficits, longest, acc, q.device)
         o, part_lse = _cpu_attention(qs, ks, vs, 0.0, False, attn_mask=mask, scale=scale)
-        parts.append((call.branch, call.heads, rows, o, part_lse))
-    out, lse = _combine(parts, len(tables.branches), (batch, num_heads, 1, dim), tables.out_scale, acc, q.device)
+        parts.append((o, part_lse))
+    shape = (batch, num_heads, 1, dim)
+    out, lse = _combine(parts, calls.plan, len(tables.branches), shape, tables.out_scale, acc, q.device)
     return out.to(q.dtype).transpose(1, 2), lse.transpose(1, 2)
 
 
-def _combine(parts, branches: int, shape: tuple[int, int, int, int], out_scale: float, acc: torch.dtype, device):
+def _combine(
+    parts, plan: StepPlan, branches: int, shape: tuple[int, int, int, int], out_scale: float, acc: torch.dtype, device
+):
     """``(out, lse)`` ``(B, H, L, D)``, ``(B, H, L)`` of one softmax over the keys of every
-    part ``(branch, heads, rows, out, lse)`` (attention of the heads ``heads``, a slice,
-    of the batch rows ``rows`` (a slice or a tuple of rows) over some of the keys of
-    branch ``branch`` of ``branches``; the parts of one branch cover each cell at most
+    part ``(out, lse)``, the ``i``-th the attention of ``plan.calls[i]``, its heads
+    (a slice) of its batch rows (a slice or a tuple of rows) over some of the keys of
+    its branch, of ``branches`` (the parts of one branch cover each cell at most
     once), ``out`` times ``out_scale``; what no part covers: 0 and ``-inf``. The parts
-    are written by one indexed copy per tensor, then merged by branch (a decode step's
-    tensors are small: operations, not bytes, cost)."""
+    are written by one indexed copy per tensor (at ``plan.cells``), then merged by
+    branch (a decode step's tensors are small: operations, not bytes, cost)."""
     batch, num_heads, length, dim = shape
-    if len(parts) == 1 and out_scale == 1.0 and _covers(parts[0][1], num_heads) and _covers(parts[0][2], batch):
-        return parts[0][3].to(acc), parts[0][4]
+    if len(parts) == 1 and out_scale == 1.0:
+        call = plan.calls[0]
+        if _covers(call.heads, num_heads) and _covers(call.rows, batch):
+            return parts[0][0].to(acc), parts[0][1]
     outs = torch.zeros((branches * batch * num_heads, length, dim), dtype=acc, device=device)
     lses = torch.full((branches * batch * num_heads, length), -math.inf, dtype=acc, device=device)
     if parts:
-        cells = _cells(parts, batch, num_heads)
-        outs.index_copy_(0, cells, torch.cat([o.reshape(-1, length, dim) for *_, o, _ in parts]).to(acc))
-        lses.index_copy_(0, cells, torch.cat([lse.reshape(-1, length) for *_, lse in parts]))
+        outs.index_copy_(0, plan.cells, torch.cat([o.reshape(-1, length, dim) for o, _ in parts]).to(acc))
+        lses.index_copy_(0, plan.cells, torch.cat([lse.reshape(-1, length) for _, lse in parts]))
     outs, lses = outs.view(branches, *shape), lses.view(branches, *shape[:3])
     # the log-sum-exp over branches, its maximum kept finite where no part covers a cell
     top = lses.amax(0).clamp_min_(torch.finfo(acc).min)
@@ -565,20 +632,21 @@ def _combine(parts, branches: int, shape: tuple[int, int, int, int], out_scale: 
     return (out.mul_(out_scale) if out_scale != 1.0 else out), total.log_().add_(top)
 
 
-def _cells(parts, batch: int, num_heads: int) -> torch.Tensor:
-    """The flat index of each part's ``(branch, row, head)`` cells in a ``(branches, B,
+def _cells(calls: Sequence[BranchCall], batch: int, num_heads: int) -> torch.Tensor:
+    """The flat index of each call's ``(branch, row, head)`` cells in a ``(branches, B,
     H)`` tensor, in the order of its outputs (built in an ``array``: a list's
     ``torch.tensor`` takes several times as long)."""
     cells = array.array("q")
-    for branch, heads, rows, _, _ in parts:
-        first, stop, step = heads.indices(num_heads)
+    for call in calls:
+        first, stop, step = call.heads.indices(num_heads)
+        rows = call.rows
         for row in range(*rows.indices(batch)) if isinstance(rows, slice) else rows:
-            base = (branch * batch + row) * num_heads
+            base = (call.branch * batch + row) * num_heads
             cells.extend(range(base + first, base + stop, step))
-    return torch.frombuffer(cells, dtype=torch.int64)
+    return torch.frombuffer(cells, dtype=torch.int64) if cells else torch.zeros(0, dtype=torch.int64)
 
 
-def _covers(index: slice | torch.Tensor, size: int) -> bool:
+def _covers(index: slice | tuple[int, ...], size: int) -> bool:
     """Whether ``index`` is the slice of all ``size`` places, in order."""
     return isinstance(index, slice) and index.indices(size) == (0, size, 1)
 
