@@ -251,6 +251,20 @@ def test_kept_plans_give_each_row_its_own_keys(cfg, starts, steps, row_call, kep
             assert found == expected
 
 
+def test_kept_plans_stay_within_their_bound(monkeypatch):
+    """Plans of batches of every size, the largest first (each one smaller than those
+    kept): what the tables keep never exceeds MAX_PLAN_ELEMENTS, and a plan larger than
+    that is used once, not kept."""
+    monkeypatch.setattr(decode, "MAX_PLAN_ELEMENTS", 300)
+    tables = tables_of(dict(segment_lengths=[2**20], dilation_rates=[1], mode="mixture", head_offsets="interleaved"), 2)
+    tables.plans.clear()
+    for batch in range(200, 0, -1):
+        positions = [1000 + 7 * row for row in range(batch)]  # rows far apart: one call each
+        _, calls = decode.branch_calls(tables, positions)
+        assert calls is not None and (calls.plan in tables.plans.values()) == (calls.plan.size <= 300)
+        assert sum(plan.size for plan in tables.plans.values()) <= 300
+
+
 def test_a_late_keys_mask_is_as_wide_as_its_call():
     """A branch as long as any sequence (one global segment, w = 2**40): rows at
     different positions share a call whose mask spans their keys only, not the

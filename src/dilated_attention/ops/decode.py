@@ -183,8 +183,8 @@ class DecodeTables:
 
     @functools.cached_property
     def plans(self) -> dict[tuple, StepPlan]:
-        """:func:`branch_calls`' plans, by their keys (at most :data:`MAX_PLANS`, with
-        about :data:`MAX_PLAN_CELLS` merge index elements in all)."""
+        """:func:`branch_calls`' plans, by their keys (at most :data:`MAX_PLANS`, of at
+        most :data:`MAX_PLAN_ELEMENTS` elements in all)."""
         return {}
 
     @functools.cached_property
@@ -199,10 +199,10 @@ class DecodeTables:
 
 # Places in the cycle of segments whose one-row cost DecodeTables.row_cost keeps.
 MAX_ROW_COSTS = 2**16
-# Plans of branch-by-branch steps kept (:func:`branch_calls`), and their merge
-# indices' elements at most (8 MiB).
+# Plans of branch-by-branch steps kept (:func:`branch_calls`), and the elements of
+# their merge indices and keys at most (8 MiB of int64).
 MAX_PLANS = 1024
-MAX_PLAN_CELLS = 2**20
+MAX_PLAN_ELEMENTS = 2**20
 # Elements of the late-key masks kept (:meth:`DecodeTables.late_keys_mask`; 16 MiB in float32).
 MAX_LATE_MASK_ELEMENTS = 2**22
 # Elements of the largest bias kept for the next layer's step (4 MiB in float32).
@@ -419,11 +419,13 @@ class StepPlan:
     segments stand as the plan's key says (:func:`_places`); ``fixed``: what they cost
     beyond their keys (:data:`BRANCH_CALLS_COST`, and :data:`ROW_CALL_COST` per call
     beyond one per branch and phase); ``cells``: where their outputs go in the merge
-    (:func:`_cells`)."""
+    (:func:`_cells`); ``size``: the elements it holds, its merge index and its key's
+    places."""
 
     calls: tuple[BranchCall, ...]
     fixed: float
     cells: torch.Tensor
+    size: int
 
 
 @dataclass(frozen=True)
@@ -474,7 +476,8 @@ def _plan(tables: DecodeTables, places: Sequence[Sequence[int]], num_heads: int)
                 deficits = None if min(counts) == longest else tuple(longest - count for count in counts)
                 lead = rows[counts.index(longest)]
                 calls.append(BranchCall(branch, r, heads, _rows_index(rows), lead, deficits, weight))
-    return StepPlan(tuple(calls), fixed, _cells(calls, len(places[0]), num_heads))
+    cells = _cells(calls, len(places[0]), num_heads)
+    return StepPlan(tuple(calls), fixed, cells, cells.numel() + len(places) * len(places[0]))
 
 
 def _grouping(members: dict[int, int], heads_counted: int) -> list[tuple[list[int], list[int], float]]:
@@ -541,9 +544,12 @@ def branch_calls(
     plan = tables.plans.get(key)
     if plan is None:
         plan = _plan(tables, places, tables.num_heads)
-        if len(tables.plans) >= min(MAX_PLANS, MAX_PLAN_CELLS // max(plan.cells.numel(), 1)):
+        # list(): one step, where another thread's step may add a plan meanwhile
+        kept = sum(kept.size for kept in list(tables.plans.values()))
+        if len(tables.plans) >= MAX_PLANS or kept + plan.size > MAX_PLAN_ELEMENTS:
             tables.plans.clear()
-        tables.plans[key] = plan
+        if plan.size <= MAX_PLAN_ELEMENTS:
+            tables.plans[key] = plan
     longest = tuple(places[call.branch][call.lead] // call.r + 1 for call in plan.calls)
     cost = int(plan.fixed + sum(call.weight * keys for call, keys in zip(plan.calls, longest, strict=True)))
     return cost, (StepCalls(plan, longest) if cost < limit else None)
