@@ -217,7 +217,7 @@ def test_rows_near_each_other_share_a_call_and_rows_far_apart_do_not(monkeypatch
     st.lists(st.integers(-60, 200), min_size=1, max_size=9),
     st.integers(1, 200),
     st.sampled_from([-(10**6), 0, 40, 2048, 10**6]),
-    st.sampled_from([1, 3, decode.MAX_PLANS]),
+    st.sampled_from([1, 60, decode.MAX_PLAN_ELEMENTS]),
 )
 def test_kept_plans_give_each_row_its_own_keys(cfg, starts, steps, row_call, kept):
     """Steps of rows at any positions (padding, segment starts, places far apart),
@@ -227,7 +227,7 @@ def test_kept_plans_give_each_row_its_own_keys(cfg, starts, steps, row_call, kep
     tables = tables_of(cfg, cfg["heads"])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode, "ROW_CALL_COST", row_call)  # calls per row, of runs, or of a whole phase
-        patch.setattr(decode, "MAX_PLANS", kept)  # the kept plans dropped often, or seldom
+        patch.setattr(decode, "MAX_PLAN_ELEMENTS", kept)  # the kept plans dropped often, or seldom
         for step in range(steps):
             positions = [start + step for start in starts]
             _, calls = decode.branch_calls(tables, positions)
@@ -259,10 +259,51 @@ def test_kept_plans_stay_within_their_bound(monkeypatch):
     tables = tables_of(dict(segment_lengths=[2**20], dilation_rates=[1], mode="mixture", head_offsets="interleaved"), 2)
     tables.plans.clear()
     for batch in range(200, 0, -1):
-        positions = [1000 + 7 * row for row in range(batch)]  # rows far apart: one call each
+        positions = [1000 + 7 * row for row in range(batch)]  # rows 7 keys apart: calls of runs of them
         _, calls = decode.branch_calls(tables, positions)
-        assert calls is not None and (calls.plan in tables.plans.values()) == (calls.plan.size <= 300)
+        assert calls is not None
+        assert any(plan is calls.plan for plan in tables.plans.values()) == (calls.plan.size <= 300)
         assert sum(plan.size for plan in tables.plans.values()) <= 300
+
+
+def test_a_row_whose_padding_ends_gets_a_plan_of_its_own():
+    """A row at position -1, then at 0, the other row one place further in the same
+    range of places: the second step's calls cover the row that starts."""
+    tables = tables_of(dict(segment_lengths=[32], dilation_rates=[1], mode="mixture", head_offsets="interleaved"), 2)
+    tables.plans.clear()
+    for positions, rows in [([20, -1], {0}), ([21, 0], {0, 1})]:
+        calls = decode.branch_calls(tables, positions)[1]
+        assert calls is not None
+        covered = set()
+        for call in calls.plan.calls:
+            covered.update(call.rows if isinstance(call.rows, tuple) else range(*call.rows.indices(2)))
+        assert covered == rows
+
+
+@pytest.mark.parametrize("starts", [[1000, 990, 900], [-5, 990, 900]])
+def test_a_left_padded_batch_meets_its_plans_again(starts):
+    """Steps of rows at different places of their segments (the first one padded, or
+    not): after lcm(r) steps they take kept plans, and a step's cost is what its calls
+    read at its own numbers of keys (a gather reading twice, a mask costing
+    MASKED_FACTOR a pair, each call beyond one per branch and phase ROW_CALL_COST)."""
+    attn = dict(segment_lengths=[2048, 4096], dilation_rates=[1, 2], mode="mixture", head_offsets="interleaved")
+    tables = tables_of(attn, 4)
+    tables.plans.clear()
+    made = 0
+    for step in range(64):
+        before = len(tables.plans)
+        cost, calls = decode.branch_calls(tables, [start + step for start in starts])
+        made += len(tables.plans) > before
+        assert calls is not None
+        expected = decode.BRANCH_CALLS_COST
+        for call, longest in zip(calls.plan.calls, calls.longest, strict=True):
+            rows = len(call.rows) if isinstance(call.rows, tuple) else len(range(*call.rows.indices(len(starts))))
+            factor = (2 if isinstance(call.rows, tuple) else 1) * (1 if call.deficits is None else decode.MASKED_FACTOR)
+            expected += factor * rows * len(range(*call.heads.indices(4))) * longest
+        phases = {(call.branch, call.heads.start) for call in calls.plan.calls}
+        expected += decode.ROW_CALL_COST * (len(calls.plan.calls) - len(phases))
+        assert abs(cost - expected) <= 1
+    assert made <= 2 * 2 * 2  # lcm(r) phases in each of at most two ranges of places
 
 
 def test_a_late_keys_mask_is_as_wide_as_its_call():

@@ -53,6 +53,28 @@ MASKED_FACTOR = 1.125
 # row taken alone this much more (its whole step's overhead); measured alike.
 DISTINCT_FACTOR = 1.25
 ROW_STEP_COST = 3 * BRANCH_CALLS_COST
+# What a kept call holds beyond its masks' and gathered rows' entries, in elements.
+CALL_ELEMENTS = 8
+
+
+class Memo(dict):
+    """A memo whose values hold at most a given number of elements in all, each value's
+    count given as it is kept: emptied when the next would pass the bound (what it
+    keeps is remade cheaply). A value replaced under its key counts until then, and
+    threads keeping values at once may miscount by a few."""
+
+    held = 0
+
+    def keep(self, key, value, elements: int, bound: int) -> None:
+        if self.held + elements > bound:
+            self.clear()
+        if elements <= bound:
+            self[key] = value
+            self.held += elements
+
+    def clear(self) -> None:
+        super().clear()
+        self.held = 0
 
 
 @dataclass(frozen=True)
@@ -169,23 +191,18 @@ class DecodeTables:
             width = 1 << (longest - 1).bit_length()
             before = torch.arange(width, device=device) < torch.tensor(key[0], device=device).view(-1, 1, 1, 1)
             mask = torch.zeros(before.shape, dtype=dtype, device=device).masked_fill_(before, -math.inf)
-            # list(): one step, where another thread's step may add a mask meanwhile
-            kept = sum(m.numel() for m in list(self._late_masks.values()))
-            if kept + mask.numel() > MAX_LATE_MASK_ELEMENTS:
-                self._late_masks.clear()
-            if mask.numel() <= MAX_LATE_MASK_ELEMENTS:
-                self._late_masks[key] = mask
+            self._late_masks.keep(key, mask, mask.numel(), MAX_LATE_MASK_ELEMENTS)
         return mask[..., :longest]
 
     @functools.cached_property
-    def _late_masks(self) -> dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor]:
-        return {}
+    def _late_masks(self) -> Memo:
+        return Memo()
 
     @functools.cached_property
-    def plans(self) -> dict[tuple, StepPlan]:
-        """:func:`branch_calls`' plans, by their keys (at most :data:`MAX_PLANS`, of at
-        most :data:`MAX_PLAN_ELEMENTS` elements in all)."""
-        return {}
+    def plans(self) -> Memo:
+        """:func:`branch_calls`' plans (:class:`StepPlan`), by their keys (of at most
+        :data:`MAX_PLAN_ELEMENTS` elements in all)."""
+        return Memo()
 
     @functools.cached_property
     def reused(self) -> dict[str, tuple]:
@@ -199,9 +216,8 @@ class DecodeTables:
 
 # Places in the cycle of segments whose one-row cost DecodeTables.row_cost keeps.
 MAX_ROW_COSTS = 2**16
-# Plans of branch-by-branch steps kept (:func:`branch_calls`), and the elements of
-# their merge indices and keys at most (8 MiB of int64).
-MAX_PLANS = 1024
+# Elements of the plans of branch-by-branch steps kept (:attr:`StepPlan.size`; some
+# tens of MiB at most).
 MAX_PLAN_ELEMENTS = 2**20
 # Elements of the late-key masks kept (:meth:`DecodeTables.late_keys_mask`; 16 MiB in float32).
 MAX_LATE_MASK_ELEMENTS = 2**22
@@ -413,14 +429,14 @@ class BranchCall:
     weight: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StepPlan:
     """The calls of :func:`branch_attention` for query rows whose places in their
     segments stand as the plan's key says (:func:`_places`); ``fixed``: what they cost
-    beyond their keys (:data:`BRANCH_CALLS_COST`, and :data:`ROW_CALL_COST` per call
+    beyond their keys and :data:`BRANCH_CALLS_COST` (:data:`ROW_CALL_COST` per call
     beyond one per branch and phase); ``cells``: where their outputs go in the merge
-    (:func:`_cells`); ``size``: the elements it holds, its merge index and its key's
-    places."""
+    (:func:`_cells`); ``size``: the elements it holds with its key (the merge index,
+    the key's places, the calls' fields and rows), a measure of its memory."""
 
     calls: tuple[BranchCall, ...]
     fixed: float
@@ -439,27 +455,30 @@ class StepCalls:
 def _places(tables: DecodeTables, positions: Sequence[int]) -> tuple[list[list[int]], tuple]:
     """Per branch, each row's place in its segment (``-1`` for a row at a negative
     position, i.e. padding), and the key of the step's :class:`StepPlan`: per branch,
-    the first row's place modulo ``r``, the places relative to it (``None`` for
-    padding), and the largest rounded down to three significant bits. Rows advance
-    together, so the key recurs every ``r``-th step until a row's segment starts anew
-    or the places grow by an eighth to a quarter. The calls' rows, heads and masks
-    follow from the key (their runs chosen for key counts of that size), their key
-    counts from the places."""
+    the place of the first row that is not padding modulo ``r``, the places relative
+    to it (``None`` for padding), and the largest place rounded down to three
+    significant bits. The rows' phases, the differences between their numbers of keys,
+    and so the calls' rows, heads and masks, follow from the key (their runs are chosen
+    for numbers of keys of that size); the numbers of keys from the places. Rows
+    advance together, so a key recurs every ``lcm(r)`` steps until a row's segment
+    starts anew, a padded row reaches position 0, or the largest place reaches a new
+    eighth to quarter of itself."""
     places, key = [], []
+    started = next((row for row, p in enumerate(positions) if p >= 0), None)
     for w, r, _, _ in tables.branches:
         into = [p % w if p >= 0 else -1 for p in positions]
-        first, most = into[0], max(into)
+        first, most = (0 if started is None else into[started]), max(into)
         shift = max(most.bit_length() - 3, 0)
         key.append((first % r, most >> shift << shift, tuple(place - first if place >= 0 else None for place in into)))
         places.append(into)
     return places, tuple(key)
 
 
-def _plan(tables: DecodeTables, places: Sequence[Sequence[int]], num_heads: int) -> StepPlan:
+def _plan(tables: DecodeTables, places: Sequence[Sequence[int]]) -> StepPlan:
     """The :class:`StepPlan` of rows at ``places`` (:func:`_places`): per branch and per
     phase some row's query has in its segment, the rows of that phase in runs
     (:func:`_grouping`)."""
-    fixed, calls = float(BRANCH_CALLS_COST), []
+    fixed, calls = 0.0, []
     for branch, ((_, r, _, chosen), heads_by_phase) in enumerate(zip(tables.branches, tables.query_heads, strict=True)):
         groups: dict[int, dict[int, int]] = {}
         for row, into in enumerate(places[branch]):
@@ -476,8 +495,11 @@ def _plan(tables: DecodeTables, places: Sequence[Sequence[int]], num_heads: int)
                 deficits = None if min(counts) == longest else tuple(longest - count for count in counts)
                 lead = rows[counts.index(longest)]
                 calls.append(BranchCall(branch, r, heads, _rows_index(rows), lead, deficits, weight))
-    cells = _cells(calls, len(places[0]), num_heads)
-    return StepPlan(tuple(calls), fixed, cells, cells.numel() + len(places) * len(places[0]))
+    cells = _cells(calls, len(places[0]), tables.num_heads)
+    size = cells.numel() + len(places) * len(places[0])
+    for call in calls:
+        size += CALL_ELEMENTS + len(call.deficits or ()) + (len(call.rows) if isinstance(call.rows, tuple) else 0)
+    return StepPlan(tuple(calls), fixed, cells, size)
 
 
 def _grouping(members: dict[int, int], heads_counted: int) -> list[tuple[list[int], list[int], float]]:
@@ -535,23 +557,19 @@ def branch_calls(
     row's query has in its segment, the rows of that phase in runs of rows near each
     other in their segments (:func:`_grouping`). The calls are ``None`` where the cost
     reaches ``limit`` (another way is cheaper). Their plan is kept per key
-    (:func:`_places`): a left-padded batch's step plans anew only where its rows'
-    places changed otherwise than by the step itself, and the model's layers share it."""
+    (:func:`_places`), which a left-padded batch's steps meet again and again, and
+    which the model's layers share."""
     if limit <= BRANCH_CALLS_COST:  # short windows: the common case, answered at once
         return BRANCH_CALLS_COST, None
     places, key = _places(tables, positions)
-    key = (key, BRANCH_CALLS_COST, ROW_CALL_COST, MASKED_FACTOR, MAX_RUN)  # what the plan was chosen by
+    key = (key, ROW_CALL_COST, MASKED_FACTOR, MAX_RUN)  # with the constants of the cost model that chose it
     plan = tables.plans.get(key)
     if plan is None:
-        plan = _plan(tables, places, tables.num_heads)
-        # list(): one step, where another thread's step may add a plan meanwhile
-        kept = sum(kept.size for kept in list(tables.plans.values()))
-        if len(tables.plans) >= MAX_PLANS or kept + plan.size > MAX_PLAN_ELEMENTS:
-            tables.plans.clear()
-        if plan.size <= MAX_PLAN_ELEMENTS:
-            tables.plans[key] = plan
+        plan = _plan(tables, places)
+        tables.plans.keep(key, plan, plan.size, MAX_PLAN_ELEMENTS)
     longest = tuple(places[call.branch][call.lead] // call.r + 1 for call in plan.calls)
-    cost = int(plan.fixed + sum(call.weight * keys for call, keys in zip(plan.calls, longest, strict=True)))
+    keys_read = sum(call.weight * keys for call, keys in zip(plan.calls, longest, strict=True))
+    cost = int(BRANCH_CALLS_COST + plan.fixed + keys_read)
     return cost, (StepCalls(plan, longest) if cost < limit else None)
 
 
