@@ -216,8 +216,8 @@ class DecodeTables:
 
 # Places in the cycle of segments whose one-row cost DecodeTables.row_cost keeps.
 MAX_ROW_COSTS = 2**16
-# Elements of the plans of branch-by-branch steps kept (:attr:`StepPlan.size`; some
-# tens of MiB at most).
+# Elements of the plans of branch-by-branch steps kept (:attr:`StepPlan.size`; about
+# 20 MiB of Python objects and indices at most).
 MAX_PLAN_ELEMENTS = 2**20
 # Elements of the late-key masks kept (:meth:`DecodeTables.late_keys_mask`; 16 MiB in float32).
 MAX_LATE_MASK_ELEMENTS = 2**22
@@ -461,8 +461,8 @@ def _places(tables: DecodeTables, positions: Sequence[int]) -> tuple[list[list[i
     and so the calls' rows, heads and masks, follow from the key (their runs are chosen
     for numbers of keys of that size); the numbers of keys from the places. Rows
     advance together, so a key recurs every ``lcm(r)`` steps until a row's segment
-    starts anew, a padded row reaches position 0, or the largest place reaches a new
-    eighth to quarter of itself."""
+    starts anew, a padded row reaches position 0, or the largest place's rounding
+    changes (every eighth to quarter of its value)."""
     places, key = [], []
     started = next((row for row, p in enumerate(positions) if p >= 0), None)
     for w, r, _, _ in tables.branches:
