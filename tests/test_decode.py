@@ -26,6 +26,11 @@ def tables_of(attn, heads):
     )
 
 
+def rows_of(call, batch):
+    """The batch rows of a :class:`decode.BranchCall`, in its order."""
+    return call.rows if isinstance(call.rows, tuple) else range(*call.rows.indices(batch))
+
+
 def step_case(case, data, max_rows):
     """A window case with at most ``max_rows`` queries, each batch row shifted by its
     own multiple of lcm(w): the inputs, the expected rows, the key positions."""
@@ -243,7 +248,7 @@ def test_kept_plans_give_each_row_its_own_keys(cfg, starts, steps, row_call, kep
             found = {}
             for call, longest in zip(calls.plan.calls, calls.longest, strict=True):
                 assert call.r == tables.branches[call.branch][1]
-                rows = call.rows if isinstance(call.rows, tuple) else range(*call.rows.indices(len(positions)))
+                rows = rows_of(call, len(positions))
                 for row, deficit in zip(rows, call.deficits or [0] * len(rows), strict=True):
                     for head in range(*call.heads.indices(cfg["heads"])):
                         assert (call.branch, row, head) not in found
@@ -276,7 +281,7 @@ def test_a_row_whose_padding_ends_gets_a_plan_of_its_own():
         assert calls is not None
         covered = set()
         for call in calls.plan.calls:
-            covered.update(call.rows if isinstance(call.rows, tuple) else range(*call.rows.indices(2)))
+            covered.update(rows_of(call, 2))
         assert covered == rows
 
 
@@ -297,9 +302,8 @@ def test_a_left_padded_batch_meets_its_plans_again(starts):
         assert calls is not None
         expected = decode.BRANCH_CALLS_COST
         for call, longest in zip(calls.plan.calls, calls.longest, strict=True):
-            rows = len(call.rows) if isinstance(call.rows, tuple) else len(range(*call.rows.indices(len(starts))))
             factor = (2 if isinstance(call.rows, tuple) else 1) * (1 if call.deficits is None else decode.MASKED_FACTOR)
-            expected += factor * rows * len(range(*call.heads.indices(4))) * longest
+            expected += factor * len(rows_of(call, len(starts))) * len(range(*call.heads.indices(4))) * longest
         phases = {(call.branch, call.heads.start) for call in calls.plan.calls}
         expected += decode.ROW_CALL_COST * (len(calls.plan.calls) - len(phases))
         assert abs(cost - expected) <= 1
