@@ -76,6 +76,39 @@ def test_peak_memory_restores_glibc_defaults_on_exit(monkeypatch):
     assert libc.calls[3:] == [("mallopt", m_mmap_threshold, 128 * kib), ("mallopt", m_trim_threshold, 128 * kib)]
 
 
+@pytest.mark.skipif(not PeakMemory.supported(torch.device("cpu")), reason="needs Linux /proc")
+def test_bench_times_every_row_before_it_measures_memory(monkeypatch):
+    # Measuring memory changes how glibc serves large blocks for the rest of the process.
+    events = []
+    timed, entered = benchmark.time_against_matmul, PeakMemory.__enter__
+
+    def timing(fn, *args):
+        events.append("time")
+        return timed(fn, *args)
+
+    def measuring(self):
+        events.append("memory")
+        return entered(self)
+
+    monkeypatch.setattr(benchmark, "time_against_matmul", timing)
+    monkeypatch.setattr(PeakMemory, "__enter__", measuring)
+    cfg = benchmark.BenchConfig(
+        seq_lens=[32, 48],
+        segment_lengths=(16, 32),
+        dilation_rates=(1, 2),
+        heads=2,
+        head_dim=8,
+        repeats=1,
+        implementations=("kernel", "head_groups"),
+        matmul_size=64,
+    )
+    result = benchmark.run(cfg, progress=False)
+    assert events == ["time"] * 8 + ["memory"] * 8  # per row: forward, then forward and backward
+    for row in result.rows:
+        assert row.fwd_ms > 0 and row.fwd_bwd_ms > 0
+        assert row.fwd_peak_added_bytes is not None and row.fwd_bwd_peak_added_bytes is not None
+
+
 TINY_BENCH = [
     "bench",
     "--seq-lens",

@@ -165,7 +165,11 @@ class PeakMemory:
     ``M_TRIM_THRESHOLD`` at 256 KiB, so that freed memory leaves the resident set,
     and both are set back to glibc's documented default (128 KiB) on exit. glibc's
     dynamic mmap threshold (which rises as large blocks are freed) stays off once
-    either is set: glibc offers no way to turn it back on."""
+    either is set: glibc offers no way to turn it back on. From then on every block
+    over 128 KiB is a fresh mapping whose pages fault on first touch, which slows
+    code that allocates many large temporaries (the library's forward and backward at
+    N=32768 took 10% longer on a 2-core AMD EPYC VM), so benchmarks time first and
+    measure memory last."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -453,8 +457,8 @@ def measure(
     ceilings: tuple[float, float] = (math.inf, math.inf),
 ) -> Row:
     """One row: forward (and forward + backward) time, GFLOP/s, ratio to the matmul
-    GFLOP/s measured alongside, peak memory, and the floor the ``ceilings`` (matmul
-    GFLOP/s, copy GB/s) put under the time."""
+    GFLOP/s measured alongside, and the floor the ``ceilings`` (matmul GFLOP/s, copy
+    GB/s) put under the time; its peak memory comes later (:func:`measure_memory`)."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     row = Row(impl, seq_len)
     if predicted_s is not None and predicted_s > cfg.max_seconds:
@@ -468,36 +472,43 @@ def measure(
     row.fwd_bwd_floor_ms = 1e3 * max(3.5 * gflop / rate, 3 * row.io_bytes / 1e9 / bandwidth)
     if impl in ("mixture", "head_groups", "mixture-torch"):
         row.kernels = fused.describe(q, kernel=impl.partition("-")[2] or None)
-    track_memory = cfg.memory and PeakMemory.supported(device)
-    if track_memory:
-        with torch.no_grad(), PeakMemory(device) as peak:
-            out = fn(q, k, v)
-        row.fwd_peak_added_bytes = peak.added - out.numel() * out.element_size()
-        del out
     with torch.no_grad():
         seconds, per_matmul = time_against_matmul(lambda: fn(q, k, v), device, dtype, cfg.repeats, cfg.matmul_size)
     row.fwd_ms, row.fwd_gflops, row.fwd_ratio = 1e3 * seconds, gflop / seconds, gflop * per_matmul
     if cfg.backward:
-        if fn_with_grad is None:
-            for t in (q, k, v):
-                t.requires_grad_()
-
-            def step():
-                return torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
-
-        else:
-
-            def step():
-                return fn_with_grad(q, k, v, grad)
-
-        if track_memory:
-            with PeakMemory(device) as peak:
-                step()
-            row.fwd_bwd_peak_added_bytes = peak.added
+        step = _with_backward((q, k, v, grad), fn, fn_with_grad)
         seconds, per_matmul = time_against_matmul(step, device, dtype, cfg.repeats, cfg.matmul_size)
         row.fwd_bwd_ms = 1e3 * seconds
         row.fwd_bwd_gflops, row.fwd_bwd_ratio = 3.5 * gflop / seconds, 3.5 * gflop * per_matmul
     return row
+
+
+def _with_backward(inputs, fn, fn_with_grad) -> Callable[[], object]:
+    """One forward and backward: ``fn_with_grad`` (a kernel's own backward), else
+    ``fn`` through autograd (``q, k, v`` made to require grad)."""
+    q, k, v, grad = inputs
+    if fn_with_grad is not None:
+        return lambda: fn_with_grad(q, k, v, grad)
+    for t in (q, k, v):
+        t.requires_grad_()
+    return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
+
+
+def measure_memory(row: Row, cfg: BenchConfig) -> None:
+    """The peak memory a forward call (its output excluded) and a forward and backward
+    add, into ``row``. :class:`PeakMemory` changes how glibc serves large blocks for
+    the rest of the process, so :func:`run` calls this after every timing."""
+    device = torch.device(cfg.device)
+    inputs, fn, fn_with_grad, _ = _workload(row.impl, row.seq_len, cfg)
+    with torch.no_grad(), PeakMemory(device) as peak:
+        out = fn(*inputs[:3])
+    row.fwd_peak_added_bytes = peak.added - out.numel() * out.element_size()
+    del out
+    if cfg.backward:
+        step = _with_backward(inputs, fn, fn_with_grad)
+        with PeakMemory(device) as peak:
+            step()
+        row.fwd_bwd_peak_added_bytes = peak.added
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -516,11 +527,13 @@ def _progress(done: int, total: int, label: str) -> None:
 
 
 def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
-    """Measure every implementation at every length, after the matmul reference."""
+    """Measure every implementation at every length, after the matmul reference: all
+    the timings, then the peak memory of what was timed (:func:`measure_memory`)."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     torch.manual_seed(0)
     result = BenchResult(cfg, machine_info(device), matmul_gflops(device, dtype, cfg.matmul_size), copy_gbps(device))
-    total = len(cfg.implementations) * len(cfg.seq_lens)
+    track_memory = cfg.memory and PeakMemory.supported(device)
+    total = len(cfg.implementations) * len(cfg.seq_lens) * (2 if track_memory else 1)
     last: dict[str, Row | None] = {}
     for impl in cfg.implementations:
         for seq_len in sorted(cfg.seq_lens):
@@ -535,6 +548,12 @@ def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             row = measure(impl, seq_len, cfg, predicted, (result.matmul_gflops, result.copy_gbps))
             result.rows.append(row)
             last[impl] = row if row.fwd_ms is not None else prev
+    if track_memory:
+        for done, row in enumerate(result.rows, start=len(result.rows)):
+            if row.fwd_ms is not None:
+                if progress:
+                    _progress(done, total, f"memory: {row.impl} N={row.seq_len}")
+                measure_memory(row, cfg)
     if progress:
         _progress(total, total, "done")
     return result
