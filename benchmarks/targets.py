@@ -43,8 +43,6 @@ def main() -> int:
         say(benchmark.format_table(result) + "\n")
         return result
 
-    # Every timing comes before the memory rows: measuring memory changes how glibc serves
-    # large blocks for the rest of the process (see benchmark.PeakMemory).
     speed = rows([32768], ["kernel", "mixture", "head_groups"], repeats=args.repeats, memory=False)
     # The engine against the kernel directly: the two alternate, the median of the pairs' GFLOP/s ratios.
     alongside = benchmark.BenchConfig(seq_lens=[32768], device=args.device, repeats=max(args.repeats, 7))

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -168,8 +170,8 @@ class PeakMemory:
     either is set: glibc offers no way to turn it back on. From then on every block
     over 128 KiB is a fresh mapping whose pages fault on first touch, which slows
     code that allocates many large temporaries (the library's forward and backward at
-    N=32768 took 10% longer on a 2-core AMD EPYC VM), so benchmarks time first and
-    measure memory last."""
+    N=32768 took 10% longer on a 2-core AMD EPYC VM), so the benchmarks measure
+    memory in a process of its own (:func:`measure_memories`) or after every timing."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -494,21 +496,51 @@ def _with_backward(inputs, fn, fn_with_grad) -> Callable[[], object]:
     return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
 
 
-def measure_memory(row: Row, cfg: BenchConfig) -> None:
-    """The peak memory a forward call (its output excluded) and a forward and backward
-    add, into ``row``. :class:`PeakMemory` changes how glibc serves large blocks for
-    the rest of the process, so :func:`run` calls this after every timing."""
+def measure_memory(impl: str, seq_len: int, cfg: BenchConfig) -> tuple[int, int | None]:
+    """The peak bytes a forward call adds (its output excluded), and a forward and
+    backward (``None`` without ``cfg.backward``)."""
     device = torch.device(cfg.device)
-    inputs, fn, fn_with_grad, _ = _workload(row.impl, row.seq_len, cfg)
+    inputs, fn, fn_with_grad, _ = _workload(impl, seq_len, cfg)
     with torch.no_grad(), PeakMemory(device) as peak:
         out = fn(*inputs[:3])
-    row.fwd_peak_added_bytes = peak.added - out.numel() * out.element_size()
+    forward = peak.added - out.numel() * out.element_size()
     del out
-    if cfg.backward:
-        step = _with_backward(inputs, fn, fn_with_grad)
-        with PeakMemory(device) as peak:
-            step()
-        row.fwd_bwd_peak_added_bytes = peak.added
+    if not cfg.backward:
+        return forward, None
+    step = _with_backward(inputs, fn, fn_with_grad)
+    with PeakMemory(device) as peak:
+        step()
+    return forward, peak.added
+
+
+def measure_memories(cfg: BenchConfig, rows: Sequence[tuple[str, int]]) -> list[tuple[int, int | None]]:
+    """:func:`measure_memory` of each ``(impl, seq_len)``: on the CPU in a fresh Python
+    process (with this one's threads), which :class:`PeakMemory` may change for good and
+    whose allocator holds nothing of the timings before; on CUDA in this process."""
+    if torch.device(cfg.device).type == "cuda":
+        return [measure_memory(impl, n, cfg) for impl, n in rows]
+    request = {"config": asdict(cfg), "rows": list(rows), "threads": torch.get_num_threads()}
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds the package
+    paths = [here, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    done = subprocess.run(
+        [sys.executable, "-c", f"from {__name__} import _memory_process; _memory_process()"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the memory measurement's process failed:\n{done.stderr}")
+    return [(forward, both) for forward, both in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def _memory_process() -> None:
+    """The process :func:`measure_memories` starts: its request on stdin, the
+    measurements as JSON on stdout."""
+    request = json.loads(sys.stdin.read())
+    torch.set_num_threads(request["threads"])
+    cfg = BenchConfig(**request["config"])
+    print(json.dumps([measure_memory(impl, n, cfg) for impl, n in request["rows"]]))
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -527,13 +559,13 @@ def _progress(done: int, total: int, label: str) -> None:
 
 
 def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
-    """Measure every implementation at every length, after the matmul reference: all
-    the timings, then the peak memory of what was timed (:func:`measure_memory`)."""
+    """Measure every implementation at every length, after the matmul reference: the
+    timings, then the peak memory of what was timed (:func:`measure_memories`)."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     torch.manual_seed(0)
     result = BenchResult(cfg, machine_info(device), matmul_gflops(device, dtype, cfg.matmul_size), copy_gbps(device))
     track_memory = cfg.memory and PeakMemory.supported(device)
-    total = len(cfg.implementations) * len(cfg.seq_lens) * (2 if track_memory else 1)
+    total = len(cfg.implementations) * len(cfg.seq_lens) + (1 if track_memory else 0)
     last: dict[str, Row | None] = {}
     for impl in cfg.implementations:
         for seq_len in sorted(cfg.seq_lens):
@@ -548,12 +580,14 @@ def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             row = measure(impl, seq_len, cfg, predicted, (result.matmul_gflops, result.copy_gbps))
             result.rows.append(row)
             last[impl] = row if row.fwd_ms is not None else prev
-    if track_memory:
-        for done, row in enumerate(result.rows, start=len(result.rows)):
-            if row.fwd_ms is not None:
-                if progress:
-                    _progress(done, total, f"memory: {row.impl} N={row.seq_len}")
-                measure_memory(row, cfg)
+    timed = [row for row in result.rows if row.fwd_ms is not None]
+    if track_memory and timed:
+        if progress:
+            _progress(len(result.rows), total, "memory, in another process")
+        for row, (forward, both) in zip(
+            timed, measure_memories(cfg, [(r.impl, r.seq_len) for r in timed]), strict=True
+        ):
+            row.fwd_peak_added_bytes, row.fwd_bwd_peak_added_bytes = forward, both
     if progress:
         _progress(total, total, "done")
     return result
