@@ -18,12 +18,13 @@ cache's keys and values hold on to when ``generate`` returns and the peak reside
 memory ``generate`` adds over what the process held before it (see
 :class:`dilated_attention.tools.benchmark.PeakMemory`), during the prefill (the
 prompt's activations, the same for every set-up) and during the generation of the
-new tokens after it (the cache and one step's temporaries), with the prefill time.
+new tokens after it (the cache and one step's temporaries).
 
-Time per new token: for prompts up to ``--timed-up-to`` tokens, every set-up's
-``generate`` runs ``--rounds`` times in one process, the set-ups taking turns (so
-that a slow spell of the machine touches them alike); the median over the rounds.
-Longer prompts: the fresh process's one run.
+Time (the prefill's and per new token): in another process, which measures no
+memory (that makes glibc map every large block afresh for the rest of the process),
+every set-up's ``generate`` runs ``--rounds`` times (once for prompts over
+``--timed-up-to`` tokens), the set-ups taking turns (so that a slow spell of the
+machine touches them alike); the median over the rounds.
 
 Writes benchmarks/results/transformers-generation-cpu.json and .txt.
 """
@@ -108,7 +109,7 @@ def generate(setup: str, model, prompt: torch.Tensor, new_tokens: int, peak=None
 
 
 def measure(setup: str, length: int, new_tokens: int) -> dict:
-    """One ``generate`` call in this process: memory, prefill, time per token."""
+    """One ``generate`` call in this process: its memory."""
     from dilated_attention.integrations.transformers import held_bytes
     from dilated_attention.tools.benchmark import PeakMemory
 
@@ -122,22 +123,22 @@ def measure(setup: str, length: int, new_tokens: int) -> dict:
         "cache_bytes": held_bytes(run["cache"]),
         "prefill_peak_added_bytes": run["prefill_peak_added_bytes"],
         "decode_peak_added_bytes": peak.added,
-        "prefill_s": run["prefill_s"],
-        "ms_per_new_token": run["ms_per_new_token"],
-        "ms_per_new_token_rounds": None,
     }
 
 
-def timed_rounds(length: int, new_tokens: int, rounds: int) -> dict[str, list[float]]:
-    """Milliseconds per new token of every set-up, ``rounds`` times, the set-ups taking turns."""
+def timed_rounds(length: int, new_tokens: int, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """The prefill's seconds and the milliseconds per new token of every set-up,
+    ``rounds`` times, the set-ups taking turns, after a warm-up on a short prompt."""
     models = {setup: build(setup, length) for setup in SETUPS}
-    times: dict[str, list[float]] = {setup: [] for setup in SETUPS}
+    times: dict[str, dict[str, list[float]]] = {setup: {"prefill_s": [], "ms_per_new_token": []} for setup in SETUPS}
     with torch.no_grad():
         for setup, (model, prompt) in models.items():  # warm-up, not recorded
-            generate(setup, model, prompt, 2)
+            generate(setup, model, prompt[:, :64], 2)
         for _ in range(rounds):
             for setup, (model, prompt) in models.items():
-                times[setup].append(generate(setup, model, prompt, new_tokens)["ms_per_new_token"])
+                run = generate(setup, model, prompt, new_tokens)
+                for key, series in times[setup].items():
+                    series.append(run[key])
     return times
 
 
@@ -156,13 +157,12 @@ def table(rows: list[dict]) -> str:
             f"{r['setup']:<24}{r['prompt_tokens']:>8}{mib[0]:>8.1f}{mib[1]:>12.1f}{mib[2]:>12.1f}"
             f"{r['prefill_s']:>11.2f}{r['ms_per_new_token']:>10.1f}{ratio}"
         )
-    rounds = {len(r["ms_per_new_token_rounds"]) for r in rows if r.get("ms_per_new_token_rounds")}
-    timed = sorted({r["prompt_tokens"] for r in rows if r.get("ms_per_new_token_rounds")})
-    if rounds:
-        lines.append(
-            f"ms/token: the median of {max(rounds)} rounds, the set-ups taking turns in one process (prompts "
-            f"{', '.join(map(str, timed))}); else one run in a fresh process"
-        )
+    rounds = sorted({(len(r["ms_per_new_token_rounds"]), r["prompt_tokens"]) for r in rows})
+    counts = ", ".join(f"{count} at {prompt}" for count, prompt in rounds)
+    lines.append(
+        f"prefill s, ms/token: the median of the rounds ({counts} tokens), the set-ups taking turns in a "
+        "process that measures no memory; memory: one run per set-up in a fresh process"
+    )
     return "\n".join(lines)
 
 
@@ -190,14 +190,14 @@ def main() -> None:
             command = [sys.executable, __file__, "--one", setup, str(length), "--new-tokens", str(args.new_tokens)]
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        if length <= args.timed_up_to:
-            command = [sys.executable, __file__, "--rounds-of", str(length), "--new-tokens", str(args.new_tokens)]
-            command += ["--rounds", str(args.rounds)]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
-            rounds = json.loads(done.stdout.strip().splitlines()[-1])
-            for row in rows[-len(SETUPS) :]:
-                row["ms_per_new_token_rounds"] = rounds[row["setup"]]
-                row["ms_per_new_token"] = statistics.median(rounds[row["setup"]])
+        command = [sys.executable, __file__, "--rounds-of", str(length), "--new-tokens", str(args.new_tokens)]
+        command += ["--rounds", str(args.rounds if length <= args.timed_up_to else 1)]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        rounds = json.loads(done.stdout.strip().splitlines()[-1])
+        for row in rows[-len(SETUPS) :]:
+            row["ms_per_new_token_rounds"] = rounds[row["setup"]]["ms_per_new_token"]
+            for key, series in rounds[row["setup"]].items():
+                row[key] = statistics.median(series)
         print(table(rows[-len(SETUPS) :]), flush=True)
     import transformers
 
