@@ -8,8 +8,10 @@ Both use the ``small`` preset (256 dims, 4 layers, 8 heads, about 3.2 M paramete
 runs as one causal call of PyTorch's fused attention (SDPA) per layer and head group.
 
 - ``speed``: one training step (forward, backward, AdamW) on one sequence of each
-  context: tokens per second (median of the timed steps, after one warm-up step) and
-  the peak memory the step adds. A dense step predicted (from the previous context,
+  context, each model and context in a fresh process: tokens per second (median of
+  the timed steps, after one warm-up step), then the peak memory one more step adds
+  (measured last: measuring memory makes glibc map every large block afresh for the
+  rest of the process). A dense step predicted (from the previous context,
   quadratically) to take longer than ``--max-seconds`` is skipped and marked so.
 - ``quality``: both models trained for the same training-time budget on the default
   corpus at one context (batch 1, learning rate 2e-3 after 10 warm-up steps,
@@ -20,8 +22,10 @@ Writes benchmarks/results/longnet-<speed|quality>-<device>.json, .txt and .png.
 """
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +49,8 @@ def variants(context: int) -> dict:
 
 
 def step_cost(config: LongNetConfig, context: int, device: torch.device, repeats: int) -> dict:
-    """Seconds per training step (median) and peak bytes a step adds, batch 1."""
+    """Seconds per training step (median of ``repeats``), then the peak bytes one more
+    step adds, batch 1."""
     torch.manual_seed(0)
     model = LongNetLM(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -58,29 +63,37 @@ def step_cost(config: LongNetConfig, context: int, device: torch.device, repeats
         optimizer.zero_grad(set_to_none=True)
 
     step()  # warm-up: the optimizer's state is allocated here
-    times, peak = [], None
+    times = []
     for _ in range(repeats):
-        with PeakMemory(device) as memory:
-            start = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        peak = memory.added if peak is None else max(peak, memory.added)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    with PeakMemory(device) as memory:
+        step()
     seconds = statistics.median(times)
-    return {"seconds": seconds, "tokens_per_s": context / seconds, "peak_mib": peak / 2**20}
+    return {"seconds": seconds, "tokens_per_s": context / seconds, "peak_mib": memory.added / 2**20}
+
+
+def step_cost_apart(args, name: str, context: int) -> dict:
+    """:func:`step_cost` of the model ``name`` at ``context`` in a fresh process."""
+    command = [sys.executable, __file__, "row", name, str(context), "--device", args.device]
+    command += ["--repeats", str(args.repeats)] + (["--threads", str(args.threads)] if args.threads else [])
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def speed(args, device) -> tuple[dict, str]:
     rows, predicted = [], {}
     for context in args.contexts:
-        for name, config in variants(context).items():
+        for name in variants(context):
             guess = predicted.get(name)
             if guess is not None and guess > args.max_seconds:
                 rows.append({"context": context, "attention": name, "skipped_predicted_s": guess})
                 print(f"{name:8} {context:6}: skipped, predicted {guess:.0f} s per step", flush=True)
                 continue
-            cost = step_cost(config, context, device, args.repeats)
+            cost = step_cost_apart(args, name, context)
             rows.append({"context": context, "attention": name, **cost})
             # Predict the next context's step: quadratic for dense, linear for dilated.
             predicted[name] = cost["seconds"] * (4 if name == "dense" else 1) * 4  # contexts grow 4x
@@ -199,13 +212,20 @@ def main() -> int:
     q = sub.add_parser("quality", help="validation bits per byte after the same training time")
     q.add_argument("--minutes", type=float, default=6.0, help="training time per model (default: 6)")
     q.add_argument("--context", type=int, default=16384)
-    for p in (s, q):
+    one = sub.add_parser("row")  # one speed row, in the process speed starts for it
+    one.add_argument("name", choices=("dilated", "dense"))
+    one.add_argument("context", type=int)
+    one.add_argument("--repeats", type=int, default=2)
+    for p in (s, q, one):
         p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
         p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.part == "row":
+        print(json.dumps(step_cost(variants(args.context)[args.name], args.context, device, args.repeats)))
+        return 0
     if args.part == "speed":
         payload, table = speed(args, device)
         plot = plot_speed
