@@ -170,7 +170,7 @@ class PeakMemory:
     either is set: glibc offers no way to turn it back on. From then on every block
     over 128 KiB is a fresh mapping whose pages fault on first touch, which slows
     code that allocates many large temporaries (the library's forward and backward at
-    N=32768 took 10% longer on a 2-core AMD EPYC VM), so the benchmarks measure
+    N=32768 took an eighth longer on a 2-core AMD EPYC VM), so the benchmarks measure
     memory in a process of its own (:func:`measure_memories`) or after every timing."""
 
     def __init__(self, device: torch.device):
@@ -460,7 +460,7 @@ def measure(
 ) -> Row:
     """One row: forward (and forward + backward) time, GFLOP/s, ratio to the matmul
     GFLOP/s measured alongside, and the floor the ``ceilings`` (matmul GFLOP/s, copy
-    GB/s) put under the time; its peak memory comes later (:func:`measure_memory`)."""
+    GB/s) put under the time; :func:`run` measures its memory afterwards, apart."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     row = Row(impl, seq_len)
     if predicted_s is not None and predicted_s > cfg.max_seconds:
