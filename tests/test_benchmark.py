@@ -101,7 +101,36 @@ def test_bench_measures_memory_in_a_process_of_its_own(monkeypatch):
     ]
     for row in result.rows:
         assert row.fwd_ms > 0 and row.fwd_bwd_ms > 0
-        assert row.fwd_peak_added_bytes is not None and row.fwd_bwd_peak_added_bytes > 0
+        assert row.fwd_peak_added_bytes is not None and row.fwd_bwd_peak_added_bytes is not None
+
+
+@pytest.mark.parametrize("memory_fails", [False, True])
+def test_bench_measures_the_memory_of_the_timed_rows_after_every_timing(monkeypatch, capsys, memory_fails):
+    events = []
+
+    def timing(impl, seq_len, cfg, predicted, ceilings):
+        events.append(("time", impl, seq_len))
+        row = benchmark.Row(impl, seq_len)
+        row.fwd_ms = None if seq_len == 48 and impl == "dense" else 1.0  # a row skipped for time
+        return row
+
+    def memories(cfg, rows):
+        events.append(("memory", tuple(rows)))
+        if memory_fails:
+            raise RuntimeError("the memory measurement's process ended with signal 9")
+        return [(len(impl), seq_len) for impl, seq_len in rows]
+
+    monkeypatch.setattr(benchmark, "measure", timing)
+    monkeypatch.setattr(benchmark, "measure_memories", memories)
+    cfg = benchmark.BenchConfig(seq_lens=[48, 32], implementations=("kernel", "dense"), matmul_size=64)
+    result = benchmark.run(cfg, progress=False)
+    timed = [("kernel", 32), ("kernel", 48), ("dense", 32)]
+    times = [("time", "kernel", 32), ("time", "kernel", 48), ("time", "dense", 32), ("time", "dense", 48)]
+    assert events == [*times, ("memory", tuple(timed))]
+    for row in result.rows:
+        expected = (None, None) if memory_fails or row.fwd_ms is None else (len(row.impl), row.seq_len)
+        assert (row.fwd_peak_added_bytes, row.fwd_bwd_peak_added_bytes) == expected
+    assert ("signal 9" in capsys.readouterr().err) == memory_fails
 
 
 TINY_BENCH = [

@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -305,7 +306,8 @@ class BenchResult:
 
 
 def _workload(impl: str, seq_len: int, cfg: BenchConfig):
-    """``(inputs, fn, pairs)`` of one implementation at one length.
+    """``(inputs, fn, fn_with_grad, pairs)`` of one implementation at one length
+    (``fn_with_grad``: the kernel's own forward and backward, else ``None``).
 
     ``dense``: PyTorch SDPA over the whole sequence. ``kernel``: the fused kernel the
     engine uses, alone, on one contiguous batch shaped like the first branch's work
@@ -498,16 +500,20 @@ def _with_backward(inputs, fn, fn_with_grad) -> Callable[[], object]:
 
 def measure_memory(impl: str, seq_len: int, cfg: BenchConfig) -> tuple[int, int | None]:
     """The peak bytes a forward call adds (its output excluded), and a forward and
-    backward (``None`` without ``cfg.backward``)."""
+    backward (``None`` without ``cfg.backward``), each after one call not measured (what
+    a first call sets up once, such as autograd's machinery, is not the call's)."""
     device = torch.device(cfg.device)
     inputs, fn, fn_with_grad, _ = _workload(impl, seq_len, cfg)
-    with torch.no_grad(), PeakMemory(device) as peak:
-        out = fn(*inputs[:3])
+    with torch.no_grad():
+        fn(*inputs[:3])
+        with PeakMemory(device) as peak:
+            out = fn(*inputs[:3])
     forward = peak.added - out.numel() * out.element_size()
     del out
     if not cfg.backward:
         return forward, None
     step = _with_backward(inputs, fn, fn_with_grad)
+    step()
     with PeakMemory(device) as peak:
         step()
     return forward, peak.added
@@ -520,18 +526,24 @@ def measure_memories(cfg: BenchConfig, rows: Sequence[tuple[str, int]]) -> list[
     if torch.device(cfg.device).type == "cuda":
         return [measure_memory(impl, n, cfg) for impl, n in rows]
     request = {"config": asdict(cfg), "rows": list(rows), "threads": torch.get_num_threads()}
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds the package
-    paths = [here, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    package_parent = str(Path(__file__).resolve().parents[2])
+    # the package this process runs, where the child would not find it on its own path
+    code = (
+        f"import sys\nif {package_parent!r} not in sys.path: sys.path.insert(1, {package_parent!r})\n"
+        f"from {__name__} import _memory_process\n_memory_process()"
+    )
     done = subprocess.run(
-        [sys.executable, "-c", f"from {__name__} import _memory_process; _memory_process()"],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
+        [sys.executable, "-c", code], input=json.dumps(request, default=_plain), capture_output=True, text=True
     )
     if done.returncode != 0:
-        raise RuntimeError(f"the memory measurement's process failed:\n{done.stderr}")
-    return [(forward, both) for forward, both in json.loads(done.stdout.strip().splitlines()[-1])]
+        how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit status {done.returncode}"
+        raise RuntimeError(f"the memory measurement's process ended with {how}:\n{done.stderr[-4000:]}")
+    return [tuple(pair) for pair in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def _plain(value) -> int | list:
+    """JSON for a config's values that are not JSON types: ranges, NumPy ints."""
+    return list(value) if isinstance(value, range) else int(value)
 
 
 def _memory_process() -> None:
@@ -583,10 +595,14 @@ def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     timed = [row for row in result.rows if row.fwd_ms is not None]
     if track_memory and timed:
         if progress:
-            _progress(len(result.rows), total, "memory, in another process")
-        for row, (forward, both) in zip(
-            timed, measure_memories(cfg, [(r.impl, r.seq_len) for r in timed]), strict=True
-        ):
+            _progress(len(result.rows), total, "memory" + (", in another process" if device.type == "cpu" else ""))
+        memories: list[tuple[int | None, int | None]]
+        try:
+            memories = list(measure_memories(cfg, [(r.impl, r.seq_len) for r in timed]))
+        except RuntimeError as error:  # the timings stand; the memory columns stay empty
+            sys.stderr.write(f"no memory figures: {error}\n")
+            memories = [(None, None)] * len(timed)
+        for row, (forward, both) in zip(timed, memories, strict=True):
             row.fwd_peak_added_bytes, row.fwd_bwd_peak_added_bytes = forward, both
     if progress:
         _progress(total, total, "done")
