@@ -8,10 +8,10 @@ Both use the ``small`` preset (256 dims, 4 layers, 8 heads, about 3.2 M paramete
 runs as one causal call of PyTorch's fused attention (SDPA) per layer and head group.
 
 - ``speed``: one training step (forward, backward, AdamW) on one sequence of each
-  context, each model and context in a fresh process: tokens per second (median of
-  the timed steps, after one warm-up step), then the peak memory one more step adds
-  (measured last: measuring memory makes glibc map every large block afresh for the
-  rest of the process). A dense step predicted (from the previous context,
+  context: tokens per second (median of the timed steps, after one warm-up step) in
+  one fresh process per model and context, and the peak memory a step adds (after a
+  warm-up step) in another (measuring memory makes glibc map every large block afresh
+  for the rest of a process). A dense step predicted (from the previous context,
   quadratically) to take longer than ``--max-seconds`` is skipped and marked so.
 - ``quality``: both models trained for the same training-time budget on the default
   corpus at one context (batch 1, learning rate 2e-3 after 10 warm-up steps,
@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ import torch
 from torch.nn import functional as F
 
 from dilated_attention.models import LongNetConfig, LongNetLM
-from dilated_attention.tools.benchmark import PeakMemory, machine_info
+from dilated_attention.tools.benchmark import PeakMemory, json_from, machine_info
 from dilated_attention.training import TrainSettings, read_log, train
 from dilated_attention.utils.files import write_results
 from dilated_attention.utils.plotting import pyplot, save
@@ -49,8 +48,9 @@ def variants(context: int) -> dict:
 
 
 def step_cost(config: LongNetConfig, context: int, device: torch.device, repeats: int) -> dict:
-    """Seconds per training step (median of ``repeats``), then the peak bytes one more
-    step adds, batch 1."""
+    """Seconds per training step, batch 1: the median of ``repeats``, or with
+    ``repeats = 0`` the peak bytes one step adds instead. Each after one step not
+    counted (the optimizer's state is allocated there)."""
     torch.manual_seed(0)
     model = LongNetLM(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -62,7 +62,11 @@ def step_cost(config: LongNetConfig, context: int, device: torch.device, repeats
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # warm-up: the optimizer's state is allocated here
+    step()
+    if not repeats:
+        with PeakMemory(device) as memory:
+            step()
+        return {"peak_mib": memory.added / 2**20}
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -70,18 +74,20 @@ def step_cost(config: LongNetConfig, context: int, device: torch.device, repeats
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    with PeakMemory(device) as memory:
-        step()
     seconds = statistics.median(times)
-    return {"seconds": seconds, "tokens_per_s": context / seconds, "peak_mib": memory.added / 2**20}
+    return {"seconds": seconds, "tokens_per_s": context / seconds}
 
 
 def step_cost_apart(args, name: str, context: int) -> dict:
-    """:func:`step_cost` of the model ``name`` at ``context`` in a fresh process."""
-    command = [sys.executable, __file__, "row", name, str(context), "--device", args.device]
-    command += ["--repeats", str(args.repeats)] + (["--threads", str(args.threads)] if args.threads else [])
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """:func:`step_cost` of the model ``name`` at ``context``: its time in one fresh
+    process, its memory in another (measuring memory slows what a process times after
+    it, and what it measures after timings inherits their heap)."""
+    cost = {}
+    for repeats in (args.repeats, 0):
+        command = [sys.executable, __file__, "row", name, str(context), "--device", args.device]
+        command += ["--repeats", str(repeats)] + (["--threads", str(args.threads)] if args.threads else [])
+        cost.update(json_from(command, f"the {name} row at {context}"))
+    return cost
 
 
 def speed(args, device) -> tuple[dict, str]:
@@ -204,7 +210,7 @@ def plot_speed(payload: dict, path: str, title: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="part", required=True)
+    sub = parser.add_subparsers(dest="part", required=True, metavar="{speed,quality}")
     s = sub.add_parser("speed", help="tokens/s and peak memory of a training step")
     s.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
     s.add_argument("--repeats", type=int, default=2, help="timed steps per measurement (default: 2)")
@@ -215,7 +221,7 @@ def main() -> int:
     one = sub.add_parser("row")  # one speed row, in the process speed starts for it
     one.add_argument("name", choices=("dilated", "dense"))
     one.add_argument("context", type=int)
-    one.add_argument("--repeats", type=int, default=2)
+    one.add_argument("--repeats", type=int, default=2, help="timed steps; 0: the memory of one step")
     for p in (s, q, one):
         p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
         p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own)")

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -187,19 +186,17 @@ def main() -> None:
     if args.rounds_of:
         print(json.dumps(timed_rounds(args.rounds_of, args.new_tokens, args.rounds)))
         return
-    from dilated_attention.tools.benchmark import machine_info
+    from dilated_attention.tools.benchmark import json_from, machine_info
     from dilated_attention.utils.files import write_results
 
     rows = []
     for length in args.lengths:
         for setup in SETUPS:
             command = [sys.executable, __file__, "--one", setup, str(length), "--new-tokens", str(args.new_tokens)]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            rows.append(json_from(command, f"{setup} at {length}"))
         command = [sys.executable, __file__, "--rounds-of", str(length), "--new-tokens", str(args.new_tokens)]
         command += ["--rounds", str(args.rounds if length <= args.timed_up_to else 1)]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-        rounds = json.loads(done.stdout.strip().splitlines()[-1])
+        rounds = json_from(command, f"the timed rounds at {length}")
         for row in rows[-len(SETUPS) :]:
             row["ms_per_new_token_rounds"] = rounds[row["setup"]]["ms_per_new_token"]
             for key, series in rounds[row["setup"]].items():

@@ -4,6 +4,7 @@ import io
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -131,6 +132,16 @@ def test_bench_measures_the_memory_of_the_timed_rows_after_every_timing(monkeypa
         expected = (None, None) if memory_fails or row.fwd_ms is None else (len(row.impl), row.seq_len)
         assert (row.fwd_peak_added_bytes, row.fwd_bwd_peak_added_bytes) == expected
     assert ("signal 9" in capsys.readouterr().err) == memory_fails
+
+
+def test_json_from_reads_the_last_line_and_says_how_a_process_failed():
+    python = [sys.executable, "-c"]
+    assert benchmark.json_from([*python, "print('noise'); print('[1, 2]')"], "a child") == [1, 2]
+    assert benchmark.json_from([*python, "import sys; print(sys.stdin.read())"], "a child", '{"a": 3}') == {"a": 3}
+    with pytest.raises(RuntimeError, match=r"(?s)a child's process ended with exit status 3:.*boom"):
+        benchmark.json_from([*python, "import sys; sys.stderr.write('boom'); sys.exit(3)"], "a child")
+    with pytest.raises(RuntimeError, match="a child's process ended with signal 9"):
+        benchmark.json_from([*python, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], "a child")
 
 
 TINY_BENCH = [

@@ -532,13 +532,19 @@ def measure_memories(cfg: BenchConfig, rows: Sequence[tuple[str, int]]) -> list[
         f"import sys\nif {package_parent!r} not in sys.path: sys.path.insert(1, {package_parent!r})\n"
         f"from {__name__} import _memory_process\n_memory_process()"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], input=json.dumps(request, default=_plain), capture_output=True, text=True
-    )
+    pairs = json_from([sys.executable, "-c", code], "the memory measurement", json.dumps(request, default=_plain))
+    return [tuple(pair) for pair in pairs]
+
+
+def json_from(command: Sequence[str], what: str, stdin: str | None = None):
+    """The JSON value a process (``command``, fed ``stdin``) prints on its last line of
+    output; a ``RuntimeError`` naming ``what`` with its exit status or signal and the
+    end of its stderr where it fails."""
+    done = subprocess.run(list(command), input=stdin, capture_output=True, text=True)
     if done.returncode != 0:
         how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit status {done.returncode}"
-        raise RuntimeError(f"the memory measurement's process ended with {how}:\n{done.stderr[-4000:]}")
-    return [tuple(pair) for pair in json.loads(done.stdout.strip().splitlines()[-1])]
+        raise RuntimeError(f"{what}'s process ended with {how}:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _plain(value) -> int | list:
