@@ -192,6 +192,41 @@ def test_rows_of_a_phase_share_a_call_as_a_view_or_gathered(starts, shared, dtyp
         assert lse_error(lse[row : row + 1], ref_lse) <= tolerance
 
 
+@pytest.mark.parametrize(
+    ("mode", "rates", "kv_heads", "in_place"),
+    [
+        ("mixture", [1, 2, 3], 6, True),  # the r = 1 branch's call covers every (row, head): the others merge into it
+        ("mixture", [1, 2, 3], 3, True),  # grouped-query heads, each key head a slice of every call's
+        ("mixture", [2, 3, 1], 6, True),  # whatever the order of the branches
+        ("mixture", [2, 3], 6, False),  # no call covers every head: one indexed copy, then the merge
+        ("head_groups", [1, 2, 3], 6, False),
+    ],
+)
+@pytest.mark.parametrize("scale", [0.3, 9.0])  # 9: one branch's scores dwarf another's
+def test_a_step_merges_its_calls_in_place_where_one_covers_every_head(mode, rates, kv_heads, in_place, scale):
+    attn = dict(segment_lengths=[8, 16, 24][: len(rates)], dilation_rates=rates, mode=mode, head_offsets="interleaved")
+    starts = [0, 48, 5]  # three rows, at three places in their segments
+    (q, k, v), _, _ = random_inputs(11, len(starts), 29, 6, 8, kv_heads=kv_heads)
+    q, k, v = (t.detach() for t in (q, k, v))
+    tables = tables_of(attn, 6)
+    last = [s + 28 for s in starts]
+    calls = decode.branch_calls(tables, last)[1]
+    assert calls is not None and calls.plan.merges_in_place == in_place
+    out, lse = decode.branch_attention(q[:, -1:], k.transpose(1, 2), v.transpose(1, 2), last, tables, scale, calls)
+    for row, start in enumerate(starts):
+        ref, ref_lse = reference_dilated_attention(
+            q[row : row + 1, -1:],
+            k[row : row + 1],
+            v[row : row + 1],
+            key_offset=start,
+            is_causal=True,
+            softmax_scale=scale,
+            **attn,
+        )
+        assert max_relative_error(out[row : row + 1], ref) <= 1e-10
+        assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10
+
+
 def test_rows_near_each_other_share_a_call_and_rows_far_apart_do_not(monkeypatch):
     """Rows of one phase whose queries are near each other in their segments share a
     call (a mask for the keys before a row's own), those far from them take their own:

@@ -180,7 +180,12 @@ def run(
     ``kernel``: see :mod:`dilated_attention.ops.fused`; the fused kernels take every batch
     row in one launch, whatever its key offset."""
     checks = (key_flags, keys_checked)
-    if _takes_step(call, dropout, exchange, kernel, key_flags, keys_checked):
+    if (
+        call.is_causal
+        and exchange is None
+        and takes_step(call.q, call.k, call.v, call.shape[1], dropout, kernel)
+        and (key_flags is None if keys_checked else nonfinite_rows(call.k, call.v) is None)
+    ):
         tables = decode.decode_tables(
             call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets, call.q.device
         )
@@ -205,20 +210,19 @@ def run(
     return tuple(torch.cat(part)[order] for part in zip(*parts, strict=True))
 
 
-def _takes_step(call, dropout: float, exchange, kernel, key_flags, keys_checked: bool) -> bool:
-    """Whether a call takes the lean path of decode steps (:mod:`dilated_attention.ops.decode`):
-    a few causal query rows on the CPU, no dropout, one process, nothing to
-    differentiate, no NaN or infinity in its inputs, PyTorch's kernels."""
-    if not call.is_causal or call.shape[1] > decode.MAX_ROWS or call.q.device.type != "cpu":
+def takes_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_queries: int, dropout: float = 0.0, kernel=None
+) -> bool:
+    """Whether a validated causal call of ``num_queries`` query rows on ``q, k, v`` (any
+    layout) takes the lean path of decode steps, once its keys and values are known to
+    be finite (:mod:`dilated_attention.ops.decode`): a few query rows on the CPU, no
+    dropout, one process, nothing to differentiate, no NaN or infinity in ``q``,
+    PyTorch's kernels (``kernel``: see :mod:`dilated_attention.ops.fused`)."""
+    if num_queries > decode.MAX_ROWS or q.device.type != "cpu" or dropout > 0 or torch.compiler.is_compiling():
         return False
-    if dropout > 0 or exchange is not None or torch.compiler.is_compiling():
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
-        return False
-    if fused.use_triton(call.q, dropout, False, kernel):
-        return False
-    keys_finite = key_flags is None if keys_checked else nonfinite_rows(call.k, call.v) is None
-    return keys_finite and nonfinite_rows(call.q) is None
+    return not fused.use_triton(q, dropout, False, kernel) and nonfinite_rows(q) is None
 
 
 def _rows_by_key_offset(key_offsets: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:

@@ -58,7 +58,7 @@ import torch
 
 from .. import functional
 from ..functional import dilated_attention
-from ..ops import validation
+from ..ops import decode, validation
 from ..ops.engine import nonfinite_rows
 from ..ops.plan import window_start_needed
 from ..utils.extras import MissingExtra, install_hint
@@ -487,17 +487,8 @@ def _attend_rows(
         picked = None if out is None else torch.tensor(rows, device=query.device)
         q, k, v, m = (t if picked is None or t is None else t[picked] for t in (query, key, value, mask))
         queries = slice(max(drop - first_query_slot, 0), num_queries)
-        offsets = [starts[row] + drop for row in rows]
-        result = _attend(
-            q[:, :, queries],
-            k[:, :, drop:],
-            v[:, :, drop:],
-            None if m is None else m[:, drop:],
-            torch.tensor(offsets) if len(set(offsets)) > 1 else offsets[0],
-            options,
-            sinks,
-            keys_finite,
-        )
+        q = q if queries.start == 0 else q[:, :, queries]
+        result = _attend(q, k, v, m, drop, [starts[row] for row in rows], options, sinks, keys_finite)
         if out is None:
             return result
         out[picked, :, queries] = result
@@ -505,35 +496,66 @@ def _attend_rows(
     return out
 
 
-def _attend(q, k, v, mask, key_offset, options, sinks=None, keys_finite: bool = False) -> torch.Tensor:
-    """``(B, H, Lq, D)``: :func:`dilated_attention` of one group of rows. ``keys_finite``:
-    the caller knows that ``k, v`` hold no NaN or infinity (a :class:`DilatedCache`
-    window), so the library does not scan them again."""
-    padding = None if mask is None or bool(mask.all()) else ~mask
+def _attend(
+    q, k, v, mask, drop: int, offsets: list[int], options, sinks=None, keys_finite: bool = False
+) -> torch.Tensor:
+    """``(B, H, Lq, D)``: :func:`dilated_attention` of one group of rows, whose first key
+    slot is at position ``offsets[b]``, over the keys from slot ``drop`` on (those before
+    it no query attends to). ``keys_finite``: the caller knows that ``k, v`` hold no NaN
+    or infinity (a :class:`DilatedCache` window), so the library does not scan them
+    again: a decode step then goes straight to the lean path
+    (:func:`dilated_attention.ops.decode.attend_step`), which reads only the keys its
+    queries attend to from the whole window."""
+    # padding that matters: a padded key at or after slot drop
+    padding = None if mask is None or bool(mask[:, drop:].all()) else ~mask
     if keys_finite and not options["dropout_p"]:
         # The options were checked by register(), the keys' reach and the mask by the caller.
         validation.refuse_torch_func()
         validation.check_qkv(q, k, v, "bhnd")
-        offsets = tuple(key_offset.tolist()) if isinstance(key_offset, torch.Tensor) else (key_offset,) * q.shape[0]
-        call = validation.Attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            padding,
-            options["segment_lengths"],
-            options["dilation_rates"],
-            options["mode"],
-            options["head_offsets"],
-            True,
-            validation.check_scale(options["softmax_scale"], q.shape[-1]),
-            offsets,
-        )
-        out, lse = (t.transpose(1, 2) for t in functional.run(call, keys_checked=True))
+        scale = _kernel_scale(options["softmax_scale"], q.shape[-1], q.dtype)
+        if functional.takes_step(q, k, v, q.shape[2]):
+            tables = decode.decode_tables(
+                q.shape[1],
+                options["segment_lengths"],
+                options["dilation_rates"],
+                options["mode"],
+                options["head_offsets"],
+                q.device,
+            )
+            out, lse = decode.attend_step(q.transpose(1, 2), k, v, offsets, tables, scale, padding)
+        else:
+            call = validation.Attention(
+                q.transpose(1, 2),
+                k[:, :, drop:].transpose(1, 2),
+                v[:, :, drop:].transpose(1, 2),
+                None if padding is None else padding[:, drop:],
+                options["segment_lengths"],
+                options["dilation_rates"],
+                options["mode"],
+                options["head_offsets"],
+                True,
+                scale,
+                tuple(offset + drop for offset in offsets),
+            )
+            out, lse = functional.run(call, keys_checked=True)
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     else:
         out, lse = dilated_attention(
-            q, k, v, key_padding_mask=padding, key_offset=key_offset, return_lse=True, **options
+            q,
+            k[:, :, drop:],
+            v[:, :, drop:],
+            key_padding_mask=None if padding is None else padding[:, drop:],
+            key_offset=offsets[0] + drop if len(set(offsets)) == 1 else torch.tensor(offsets) + drop,
+            return_lse=True,
+            **options,
         )
     return out if sinks is None else _with_sinks(out, lse, sinks)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_scale(scaling: float | None, head_dim: int, dtype: torch.dtype) -> float:
+    """The softmax scale as the kernels take it (``scaling``, else ``head_dim ** -0.5``)."""
+    return validation.kernel_scale(validation.check_scale(scaling, head_dim), dtype)
 
 
 def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

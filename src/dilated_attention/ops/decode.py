@@ -206,7 +206,8 @@ class DecodeTables:
 
     @functools.cached_property
     def reused(self) -> dict[str, tuple]:
-        """``"filled"``: the last bias :func:`window_bias` filled, with its arguments."""
+        """``"filled"``: the last bias :func:`window_bias` filled, with its arguments;
+        ``"step"``: the last choice :func:`attend_step` made, with its arguments."""
         return {}
 
     @functools.cached_property
@@ -442,6 +443,39 @@ class StepPlan:
     fixed: float
     cells: torch.Tensor
     size: int
+    batch: int
+    num_heads: int
+
+    def key_heads(self, num_heads: int, groups_per_kv: int) -> tuple[slice, ...] | None:
+        """Per call, the key/value heads of its query heads when each ``groups_per_kv``
+        consecutive query heads share one (a slice, the kernel broadcasting each over its
+        query heads); ``None`` where a call's map no view expresses. Kept per grouping."""
+        grouping = (num_heads, groups_per_kv)
+        if grouping not in self._key_heads:
+            found: tuple[slice, ...] | None = tuple(call.heads for call in self.calls)
+            if groups_per_kv > 1:
+                mapped = [key_heads(call.heads.indices(num_heads), groups_per_kv)[0] for call in self.calls]
+                found = tuple(slice(*kv) for kv in mapped if kv is not None)
+                found = found if len(found) == len(mapped) else None
+            self._key_heads[grouping] = found
+        return self._key_heads[grouping]
+
+    @functools.cached_property
+    def _key_heads(self) -> dict[tuple[int, int], tuple[slice, ...] | None]:
+        return {}
+
+    @functools.cached_property
+    def merges_in_place(self) -> bool:
+        """Whether the first call covers every (row, head) of the step and every other
+        call's rows are a slice: then :func:`_combine` merges each part into the first's
+        output in place, a view at a time (:func:`_merge_into`)."""
+        first = self.calls[0] if self.calls else None
+        return (
+            first is not None
+            and _covers(first.rows, self.batch)
+            and _covers(first.heads, self.num_heads)
+            and all(isinstance(call.rows, slice) for call in self.calls)
+        )
 
 
 @dataclass(frozen=True)
@@ -499,7 +533,7 @@ def _plan(tables: DecodeTables, places: Sequence[Sequence[int]]) -> StepPlan:
     size = cells.numel() + len(places) * len(places[0])
     for call in calls:
         size += CALL_ELEMENTS + len(call.deficits or ()) + (len(call.rows) if isinstance(call.rows, tuple) else 0)
-    return StepPlan(tuple(calls), fixed, cells, size)
+    return StepPlan(tuple(calls), fixed, cells, size, len(places[0]), tables.num_heads)
 
 
 def _grouping(members: dict[int, int], heads_counted: int) -> list[tuple[list[int], list[int], float]]:
@@ -601,22 +635,26 @@ def branch_attention(
     if calls is None:
         calls = branch_calls(tables, positions)[1]
         assert calls is not None  # without a limit
+    kv_heads = calls.plan.key_heads(num_heads, groups_per_kv)
+    if kv_heads is None:
+        return None
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for call, longest in zip(calls.plan.calls, calls.longest, strict=True):
-        kv_heads = call.heads
-        if groups_per_kv > 1:
-            kv, _, gathered = key_heads(call.heads.indices(num_heads), groups_per_kv)
-            if gathered is not None or kv is None:
-                return None
-            kv_heads = slice(*kv)
-        keys = slice(end - 1 - (longest - 1) * call.r, end, call.r)
+    for call, longest, kv in zip(calls.plan.calls, calls.longest, kv_heads, strict=True):
+        keys = (end - 1 - (longest - 1) * call.r, longest, call.r)
         rows = call.rows
         if isinstance(rows, slice):
-            qs, ks, vs = queries[rows, call.heads], k[rows, kv_heads, keys], v[rows, kv_heads, keys]
+            qs = _sliced(queries, rows, call.heads, (0, 1, 1))
+            ks, vs = _sliced(k, rows, kv, keys), _sliced(v, rows, kv, keys)
         else:
             index = torch.tensor(rows, device=q.device)
+            every = slice(0, batch, 1)
             qs, ks, vs = (
-                t.index_select(0, index) for t in (queries[:, call.heads], k[:, kv_heads, keys], v[:, kv_heads, keys])
+                t.index_select(0, index)
+                for t in (
+                    _sliced(queries, every, call.heads, (0, 1, 1)),
+                    _sliced(k, every, kv, keys),
+                    _sliced(v, every, kv, keys),
+                )
             )
         # a row's keys before its segment's start, where its call reads further back for others
         mask = None if call.deficits is None else tables.late_keys_mask(call.deficits, longest, acc, q.device)
@@ -624,7 +662,25 @@ def branch_attention(
         parts.append((o, part_lse))
     shape = (batch, num_heads, 1, dim)
     out, lse = _combine(parts, calls.plan, len(tables.branches), shape, tables.out_scale, acc, q.device)
-    return out.to(q.dtype).transpose(1, 2), lse.transpose(1, 2)
+    return (out if out.dtype == q.dtype else out.to(q.dtype)).transpose(1, 2), lse.transpose(1, 2)
+
+
+def _sliced(t: torch.Tensor, rows: slice, heads: slice, keys: tuple[int, int, int]) -> torch.Tensor:
+    """``t[rows, heads, first : first + count * step : step]`` of ``t`` ``(B, H, N, D)``, with
+    ``keys = (first, count, step)`` (in bounds; ``t`` itself where that is all of it), in
+    one operation: a decode step's tensors are small, and each operation costs microseconds."""
+    first_row, stop_row, row_step = rows.indices(t.shape[0])
+    first_head, stop_head, head_step = heads.indices(t.shape[1])
+    first, count, step = keys
+    size = (len(range(first_row, stop_row, row_step)), len(range(first_head, stop_head, head_step)), count, t.shape[3])
+    if size == t.shape:
+        return t
+    batch_stride, head_stride, key_stride, dim_stride = t.stride()
+    return t.as_strided(
+        size,
+        (batch_stride * row_step, head_stride * head_step, key_stride * step, dim_stride),
+        t.storage_offset() + first_row * batch_stride + first_head * head_stride + first * key_stride,
+    )
 
 
 def _combine(
@@ -638,10 +694,12 @@ def _combine(
     are written by one indexed copy per tensor (at ``plan.cells``), then merged by
     branch (a decode step's tensors are small: operations, not bytes, cost)."""
     batch, num_heads, length, dim = shape
-    if len(parts) == 1 and out_scale == 1.0:
-        call = plan.calls[0]
-        if _covers(call.heads, num_heads) and _covers(call.rows, batch):
-            return parts[0][0].to(acc), parts[0][1]
+    if plan.merges_in_place:
+        out, lse = parts[0][0].to(acc), parts[0][1]
+        for call, (part, part_lse) in zip(plan.calls[1:], parts[1:], strict=True):
+            assert isinstance(call.rows, slice)  # merges_in_place says so
+            _merge_into(out, lse, call.rows, call.heads, part if part.dtype == acc else part.to(acc), part_lse)
+        return (out.mul_(out_scale) if out_scale != 1.0 else out), lse
     outs = torch.zeros((branches * batch * num_heads, length, dim), dtype=acc, device=device)
     lses = torch.full((branches * batch * num_heads, length), -math.inf, dtype=acc, device=device)
     if parts:
@@ -654,6 +712,22 @@ def _combine(
     total = weights.sum(0)
     out = (outs * weights.unsqueeze(-1)).sum(0).div_(total.clamp_min(torch.finfo(acc).tiny).unsqueeze(-1))
     return (out.mul_(out_scale) if out_scale != 1.0 else out), total.log_().add_(top)
+
+
+def _merge_into(out, lse, rows: slice, heads: slice, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Merge one softmax's ``(part, part_lse)`` into another's ``(out, lse)`` ``(B, H, L,
+    D)``, ``(B, H, L)`` at batch rows ``rows`` and heads ``heads``, in place: the union's
+    output is the two outputs weighted by their shares of the joint denominator,
+    ``sigmoid(part_lse - lse)`` for the part (stable whatever the gap), and its
+    log-sum-exp ``logaddexp(lse, part_lse)``. Four small operations, where a decode
+    step's tensors are small and operations, not bytes, cost."""
+    if _covers(rows, out.shape[0]):
+        out_view, lse_view = out[:, heads], lse[:, heads]
+    else:
+        out_view, lse_view = out[rows, heads], lse[rows, heads]
+    share = (part_lse - lse_view).sigmoid_()
+    out_view.lerp_(part, share.unsqueeze(-1))
+    torch.logaddexp(lse_view, part_lse, out=lse_view)
 
 
 def _cells(calls: Sequence[BranchCall], batch: int, num_heads: int) -> torch.Tensor:
@@ -696,10 +770,17 @@ def attend_step(
         return window_attention(q, k, v, key_positions, tables, scale, padding, width)
     positions = [p + k.shape[2] - 1 for p in key_positions]
     distinct = batch > 1 and len(set(positions)) > 1  # a bias per row
-    if width is None:
-        width = window_width(tables, positions, 1, k.shape[2])
-    window = tables.window_cost(positions, num_heads, DISTINCT_FACTOR if distinct else 1.0, width)
-    branches, calls = branch_calls(tables, positions, window)
+    # The layers of a model take their steps at the same positions, one after another.
+    key = (tuple(positions), k.shape[2], num_heads, width, BRANCH_CALLS_COST, ROW_CALL_COST, DISTINCT_FACTOR)
+    last = tables.reused.get("step")
+    if last is not None and last[0] == key:
+        width, window, branches, calls = last[1]
+    else:
+        if width is None:
+            width = window_width(tables, positions, 1, k.shape[2])
+        window = tables.window_cost(positions, num_heads, DISTINCT_FACTOR if distinct else 1.0, width)
+        branches, calls = branch_calls(tables, positions, window)
+        tables.reused["step"] = (key, (width, window, branches, calls))
     if distinct and ROW_STEP_COST * batch < min(window, branches):  # rows alone may be cheaper
         alone = sum(tables.row_cost(p, num_heads) for p in positions) + ROW_STEP_COST * batch
         if alone < min(window, branches):
