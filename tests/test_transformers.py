@@ -173,6 +173,43 @@ def test_the_attention_function_handles_gqa_left_padding_windows_and_holes():
         assert torch.allclose(out[row : row + 1], expected, rtol=1e-12, atol=1e-12)
 
 
+def test_position_ids_and_a_mask_changed_in_place_between_calls_are_read_again():
+    """The attention function keeps the last call's key positions for the next layer's
+    call with the same tensors: a tensor changed in place since is read again."""
+
+    class Module(torch.nn.Module):
+        num_key_value_groups, is_causal = 1, True
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 1, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 19, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    positions, mask = torch.tensor([[18]]), torch.ones(1, 19, dtype=torch.bool)
+
+    def attend(with_mask):
+        out, _ = dilated_attention_forward(
+            Module(),
+            q,
+            k,
+            v,
+            mask if with_mask else None,
+            position_ids=positions,
+            mode="mixture",
+            head_offsets="interleaved",
+            **BRANCHES,
+        )
+        return out
+
+    for with_mask in (False, True):
+        for first in (0, 5):  # the same position_ids tensor, another position
+            positions.fill_(first + 18)
+            expected, _ = reference_dilated_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, key_offset=first, **BRANCHES
+            )
+            assert torch.allclose(attend(with_mask), expected, rtol=1e-12, atol=1e-12)
+    mask[0, 18] = False  # the query's own slot is now padding: it outputs 0
+    assert torch.all(attend(True) == 0)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("bounded", [False, True], ids=["default-cache", "DilatedCache"])
 @torch.no_grad()
