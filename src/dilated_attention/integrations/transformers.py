@@ -59,7 +59,7 @@ import torch
 from .. import functional
 from ..functional import dilated_attention
 from ..ops import decode, validation
-from ..ops.engine import nonfinite_rows
+from ..ops.engine import all_finite
 from ..ops.plan import window_start_needed
 from ..utils.extras import MissingExtra, install_hint
 
@@ -126,7 +126,7 @@ class _WindowLayer(DynamicSlidingWindowLayer):
     _kept: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states, value_states, *args, **kwargs):
-        finite = nonfinite_rows(key_states, value_states) is None
+        finite = all_finite(key_states, value_states)
         if not self.is_initialized:
             self._nonfinite_until = 0
         length = key_states.shape[-2]
@@ -170,11 +170,15 @@ class _WindowLayer(DynamicSlidingWindowLayer):
             self._buffers, self._end = (fresh[0], fresh[1]), kept
         held_keys, held_values = self._buffers
         start, self._end = self._end - kept, self._end + length
-        held_keys[:, :, self._end - length : self._end].copy_(key_states)
-        held_values[:, :, self._end - length : self._end].copy_(value_states)
-        keys, values = held_keys[:, :, start : self._end], held_values[:, :, start : self._end]
+        # narrow: one operation where indexing takes several (a step counts operations)
+        held_keys.narrow(2, self._end - length, length).copy_(key_states)
+        held_values.narrow(2, self._end - length, length).copy_(value_states)
+        keys, values = held_keys.narrow(2, start, self._end - start), held_values.narrow(2, start, self._end - start)
         stays = min(self.sliding_window - 1, kept + length)
-        self.keys, self.values = keys[:, :, -stays:], values[:, :, -stays:]
+        self.keys, self.values = (
+            keys.narrow(2, keys.shape[2] - stays, stays),
+            values.narrow(2, keys.shape[2] - stays, stays),
+        )
         self._kept = (self.keys, self.values)
         return keys, values
 
