@@ -174,8 +174,8 @@ def test_the_attention_function_handles_gqa_left_padding_windows_and_holes():
 
 
 def test_position_ids_and_a_mask_changed_in_place_between_calls_are_read_again():
-    """The attention function keeps the last call's key positions for the next layer's
-    call with the same tensors: a tensor changed in place since is read again."""
+    """The layers of a step pass the attention function the same position_ids and mask
+    tensors: one changed in place between calls is read again."""
 
     class Module(torch.nn.Module):
         num_key_value_groups, is_causal = 1, True
@@ -208,6 +208,21 @@ def test_position_ids_and_a_mask_changed_in_place_between_calls_are_read_again()
             assert torch.allclose(attend(with_mask), expected, rtol=1e-12, atol=1e-12)
     mask[0, 18] = False  # the query's own slot is now padding: it outputs 0
     assert torch.all(attend(True) == 0)
+
+
+def test_the_model_runs_and_generates_under_inference_mode():
+    """Under torch.inference_mode (inference tensors track no version counter) the
+    forward gives the no_grad logits, and generation with a DilatedCache the same tokens."""
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    tokens = torch.randint(1, 61, (2, 13), generator=torch.Generator().manual_seed(3))
+    options = dict(attention_mask=torch.ones_like(tokens), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model(tokens).logits
+        greedy = model.generate(tokens, past_key_values=DilatedCache(model), **options)
+    with torch.inference_mode():
+        assert torch.equal(model(tokens).logits, expected)
+        assert torch.equal(model.generate(tokens, past_key_values=DilatedCache(model), **options), greedy)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -284,9 +284,8 @@ def dilated_attention_forward(
             f"the padding mask has shape {tuple(mask.shape)}, expected (batch, keys) = {(batch, num_keys)}"
         )
     first_slot = getattr(key, "dilated_first_slot", 0)  # set by DilatedCache: the window's first slot
-    first = _step_key_positions(
-        kwargs.get("position_ids"), mask, batch, num_queries, num_keys, first_slot, segment_lengths
-    )
+    first = _first_key_positions(kwargs.get("position_ids"), mask, batch, num_queries, num_keys, first_slot)
+    _check_keys_reach_back(first, num_keys - num_queries, segment_lengths)
     options = dict(
         segment_lengths=segment_lengths,
         dilation_rates=dilation_rates,
@@ -378,35 +377,6 @@ def _check_sinks(sinks, num_heads: int) -> None:
             f"s_aux (attention sinks) must be one logit per query head, shape ({num_heads},), got "
             f"{shape}: dilated attention supports per-head sinks only"
         )
-
-
-def _step_key_positions(
-    position_ids, mask, batch: int, num_queries: int, num_keys: int, first_slot: int, segment_lengths
-) -> list[int]:
-    """:func:`_first_key_positions`, once the keys are known to reach back far enough
-    (:func:`_check_keys_reach_back`). The layers of a model take a step one after another
-    with the same ``position_ids`` and mask tensors: the last answer is kept for them
-    (the tensors themselves, unchanged since: same objects, same version counters)."""
-    key = (
-        batch,
-        num_queries,
-        num_keys,
-        first_slot,
-        tuple(segment_lengths),
-        None if position_ids is None else position_ids._version,
-        None if mask is None else mask._version,
-    )
-    last = _last_step[0]
-    if last is not None and last[0] is position_ids and last[1] is mask and last[2] == key:
-        return last[3]
-    first = _first_key_positions(position_ids, mask, batch, num_queries, num_keys, first_slot)
-    _check_keys_reach_back(first, num_keys - num_queries, segment_lengths)
-    _last_step[0] = (position_ids, mask, key, first)
-    return first
-
-
-# (position_ids, mask, their sizes and versions, first key positions) of the last step
-_last_step: list[tuple | None] = [None]
 
 
 def _first_key_positions(
@@ -550,8 +520,8 @@ def _attend(
         if functional.takes_step(q, k, v, q.shape[2]):
             tables = decode.decode_tables(
                 q.shape[1],
-                options["segment_lengths"],
-                options["dilation_rates"],
+                tuple(options["segment_lengths"]),
+                tuple(options["dilation_rates"]),
                 options["mode"],
                 options["head_offsets"],
                 q.device,
