@@ -69,14 +69,51 @@ def test_branch_by_branch_is_the_definition(case, data):
     assert max_relative_error(out, ref) <= 1e-10 and lse_error(lse, ref_lse) <= 1e-10
 
 
+@pytest.mark.parametrize("cost", [None, -(10**12)], ids=["cheaper-way", "branch-by-branch"])
 @settings(max_examples=40)
 @given(windows(max_len=32), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.data())
-def test_low_precision_steps(case, dtype, data):
+def test_low_precision_steps(cost, case, dtype, data):
+    """Steps in low precision, each the cheaper way, or branch by branch where views
+    serve (the calls merged in float32, in place where one covers every head)."""
     case = (dict(case[0], softmax_scale=None), *case[1:])  # scales above 1 amplify rounding past the tolerances
     q, (k, v), positions, (ref, _), tables, scale = step_case(case, data, 4)
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    out = decode.attend_step(q, k, v, positions, tables, scale)[0]
+    with pytest.MonkeyPatch.context() as patch:
+        if cost is not None:
+            patch.setattr(decode, "BRANCH_CALLS_COST", cost)
+        out = decode.attend_step(q, k, v, positions, tables, scale)[0]
     assert out.dtype == dtype and max_relative_error(out, ref) <= TOLERANCES[dtype]
+
+
+def test_the_layers_of_a_step_share_its_choice_and_another_step_chooses_anew(monkeypatch):
+    """A step at the positions, keys and width of the one before (the next layer's) reuses
+    its choice of way; other positions, another key count, or another batch size choose
+    anew, each exact."""
+    (q, k, v), _, _ = random_inputs(5, 2, 63, 4, 8)
+    q, k, v = (t.detach() for t in (q, k, v))
+    attn = dict(segment_lengths=[8, 32], dilation_rates=[1, 4], mode="mixture", head_offsets="interleaved")
+    tables = tables_of(attn, 4)
+    chosen = []
+    original = decode.branch_calls
+    monkeypatch.setattr(decode, "branch_calls", lambda *a, **kw: chosen.append(a[1]) or original(*a, **kw))
+    reference = reference_dilated_attention(q, k, v, is_causal=True, **attn)[0]
+    keys, values = k.transpose(1, 2), v.transpose(1, 2)
+    for query, rows, expected in [(62, 2, 1), (62, 2, 0), (62, 1, 1), (61, 2, 1), (61, 2, 0), (62, 2, 1)]:
+        window = slice(query - 40, query + 1)  # 41 keys, enough for any query's segments
+        chosen.clear()
+        out, _ = decode.attend_step(
+            q[:rows, query : query + 1],
+            keys[:rows, :, window],
+            values[:rows, :, window],
+            [query - 40] * rows,
+            tables,
+            8**-0.5,
+        )
+        assert len(chosen) == expected
+        assert max_relative_error(out, reference[:rows, query : query + 1]) <= 1e-10
+    chosen.clear()
+    decode.attend_step(q[:2, 62:], keys[:2, :, 21:], values[:2, :, 21:], [21, 21], tables, 8**-0.5)  # another key count
+    assert len(chosen) == 1
 
 
 def test_padding_and_rows_at_negative_positions():

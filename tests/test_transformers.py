@@ -28,6 +28,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
 from dilated_attention import dilated_attention, reference_dilated_attention  # noqa: E402
 from dilated_attention.integrations.transformers import DilatedCache, dilated_attention_forward, register  # noqa: E402
+from dilated_attention.ops import decode  # noqa: E402
 from dilated_attention.reference import branch_offsets, branch_pattern  # noqa: E402
 
 BRANCHES = dict(segment_lengths=[4, 8], dilation_rates=[1, 2])
@@ -173,7 +174,7 @@ def test_the_attention_function_handles_gqa_left_padding_windows_and_holes():
         assert torch.allclose(out[row : row + 1], expected, rtol=1e-12, atol=1e-12)
 
 
-def test_position_ids_and_a_mask_changed_in_place_between_calls_are_read_again():
+def test_position_ids_and_a_mask_changed_in_place_between_calls_are_read_again(monkeypatch):
     """The layers of a step pass the attention function the same position_ids and mask
     tensors: one changed in place between calls is read again."""
 
@@ -189,7 +190,7 @@ def test_position_ids_and_a_mask_changed_in_place_between_calls_are_read_again()
         out, _ = dilated_attention_forward(
             Module(),
             q,
-            k,
+            keys,
             v,
             mask if with_mask else None,
             position_ids=positions,
@@ -199,15 +200,25 @@ def test_position_ids_and_a_mask_changed_in_place_between_calls_are_read_again()
         )
         return out
 
-    for with_mask in (False, True):
-        for first in (0, 5):  # the same position_ids tensor, another position
-            positions.fill_(first + 18)
-            expected, _ = reference_dilated_attention(
-                *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, key_offset=first, **BRANCHES
-            )
-            assert torch.allclose(attend(with_mask), expected, rtol=1e-12, atol=1e-12)
-    mask[0, 18] = False  # the query's own slot is now padding: it outputs 0
-    assert torch.all(attend(True) == 0)
+    steps = []
+    original = decode.attend_step
+    monkeypatch.setattr(decode, "attend_step", lambda *a, **kw: steps.append(1) or original(*a, **kw))
+    for keys_finite in (False, True):  # keys as any caller's, or a DilatedCache window's (the lean step)
+        keys = k.view_as(k)
+        if keys_finite:
+            keys.dilated_finite = True
+        for with_mask in (False, True):
+            for first in (0, 5):  # the same position_ids tensor, another position
+                positions.fill_(first + 18)
+                expected, _ = reference_dilated_attention(
+                    *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, key_offset=first, **BRANCHES
+                )
+                steps.clear()
+                assert torch.allclose(attend(with_mask), expected, rtol=1e-12, atol=1e-12)
+                assert steps == [1]
+        mask[0, 18] = False  # the query's own slot is now padding: it outputs 0
+        assert torch.all(attend(True) == 0)
+        mask[0, 18] = True
 
 
 def test_the_model_runs_and_generates_under_inference_mode():
@@ -228,7 +239,17 @@ def test_the_model_runs_and_generates_under_inference_mode():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("bounded", [False, True], ids=["default-cache", "DilatedCache"])
 @torch.no_grad()
-def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_nothing(family, bounded):
+@pytest.mark.parametrize("way", ["cheaper", "branch-by-branch"])
+def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_nothing(
+    family, bounded, way, monkeypatch
+):
+    """Each step's way (the cheaper one; or every step branch by branch, its calls
+    merged) gives the tokens and logits of the full forward."""
+    ran = []
+    if way == "branch-by-branch":
+        monkeypatch.setattr(decode, "BRANCH_CALLS_COST", -(10**12))
+        original = decode.branch_attention
+        monkeypatch.setattr(decode, "branch_attention", lambda *a, **kw: ran.append(1) or original(*a, **kw))
     model = tiny(family)
     model.set_attn_implementation("dilated")
     tokens = torch.randint(0, 61, (2, 13))
@@ -257,6 +278,7 @@ def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_n
     if bounded:
         layers = cache.layers
         assert len(layers) == 2 and all(layer.keys.shape[2] == max(BRANCHES["segment_lengths"]) - 1 for layer in layers)
+    assert len(ran) >= (2 * 11 if way == "branch-by-branch" else 0)  # both layers, every step after the first
 
 
 @torch.no_grad()

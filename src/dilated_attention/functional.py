@@ -216,8 +216,9 @@ def takes_step(
     """Whether a validated causal call of ``num_queries`` query rows on ``q, k, v`` (any
     layout) takes the lean path of decode steps, once its keys and values are known to
     be finite (:mod:`dilated_attention.ops.decode`): a few query rows on the CPU, no
-    dropout, one process, nothing to differentiate, no NaN or infinity in ``q``,
-    PyTorch's kernels (``kernel``: see :mod:`dilated_attention.ops.fused`)."""
+    dropout, nothing to differentiate, no NaN or infinity in ``q``, PyTorch's kernels
+    (``kernel``: see :mod:`dilated_attention.ops.fused`). The caller checks that the
+    call runs on one process."""
     if num_queries > decode.MAX_ROWS or q.device.type != "cpu" or dropout > 0 or torch.compiler.is_compiling():
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -59,7 +59,7 @@ import torch
 from .. import functional
 from ..functional import dilated_attention
 from ..ops import decode, validation
-from ..ops.engine import all_finite
+from ..ops.engine import all_finite, nonfinite_rows
 from ..ops.plan import window_start_needed
 from ..utils.extras import MissingExtra, install_hint
 
@@ -126,13 +126,14 @@ class _WindowLayer(DynamicSlidingWindowLayer):
     _kept: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states, value_states, *args, **kwargs):
-        finite = all_finite(key_states, value_states)
         if not self.is_initialized:
             self._nonfinite_until = 0
         length = key_states.shape[-2]
         in_place = length < self.sliding_window // 2 and not self.record_past
         if in_place and torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
             in_place = False  # autograd keeps what it used: transformers' concatenation
+        # a step's few rows: one concatenation and one sum; a long chunk: a sum each, no copy
+        finite = all_finite(key_states, value_states) if in_place else nonfinite_rows(key_states, value_states) is None
         if in_place:
             keys, values = self._append(key_states, value_states)
         else:
@@ -459,9 +460,9 @@ def _attend_rows(
 ) -> torch.Tensor:
     """``(B, H, Lq, D)``. Rows whose keys start at a position ``>= 0`` go in one call
     (per-row ``key_offset``); rows whose first token follows ``p`` padding slots
-    (``first = -p``) in one call per ``p``, their padding queries 0. Each call gets
-    only the keys from the earliest one its queries attend to (a decode step attends
-    to fewer than ``max(segment_lengths)``, however many the cache holds). Padded
+    (``first = -p``) in one call per ``p``, their padding queries 0. Each call reads
+    only the keys from the earliest one its queries attend to, slot ``drop`` (a decode
+    step attends to fewer than ``max(segment_lengths)``, however many the cache holds). Padded
     keys at positions ``>= 0`` are the library's key padding. ``sinks`` ``(H,)``
     enter each call's softmax (:func:`_with_sinks`)."""
     num_queries, num_keys = query.shape[2], key.shape[2]
@@ -508,15 +509,15 @@ def _attend(
     it no query attends to). ``keys_finite``: the caller knows that ``k, v`` hold no NaN
     or infinity (a :class:`DilatedCache` window), so the library does not scan them
     again: a decode step then goes straight to the lean path
-    (:func:`dilated_attention.ops.decode.attend_step`), which reads only the keys its
-    queries attend to from the whole window."""
+    (:func:`dilated_attention.ops.decode.attend_step`), given the whole window (it
+    reads from the earliest key its queries reach)."""
     # padding that matters: a padded key at or after slot drop
     padding = None if mask is None or bool(mask[:, drop:].all()) else ~mask
     if keys_finite and not options["dropout_p"]:
         # The options were checked by register(), the keys' reach and the mask by the caller.
         validation.refuse_torch_func()
         validation.check_qkv(q, k, v, "bhnd")
-        scale = _kernel_scale(options["softmax_scale"], q.shape[-1], q.dtype)
+        scale = _checked_scale(options["softmax_scale"], q.shape[-1])
         if functional.takes_step(q, k, v, q.shape[2]):
             tables = decode.decode_tables(
                 q.shape[1],
@@ -526,7 +527,8 @@ def _attend(
                 options["head_offsets"],
                 q.device,
             )
-            out, lse = decode.attend_step(q.transpose(1, 2), k, v, offsets, tables, scale, padding)
+            kernel_scale = validation.kernel_scale(scale, q.dtype)
+            out, lse = decode.attend_step(q.transpose(1, 2), k, v, offsets, tables, kernel_scale, padding)
         else:
             call = validation.Attention(
                 q.transpose(1, 2),
@@ -557,9 +559,9 @@ def _attend(
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel_scale(scaling: float | None, head_dim: int, dtype: torch.dtype) -> float:
-    """The softmax scale as the kernels take it (``scaling``, else ``head_dim ** -0.5``)."""
-    return validation.kernel_scale(validation.check_scale(scaling, head_dim), dtype)
+def _checked_scale(scaling: float | None, head_dim: int) -> float:
+    """The softmax scale: ``scaling``, else ``head_dim ** -0.5`` (checked once per value)."""
+    return validation.check_scale(scaling, head_dim)
 
 
 def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -205,14 +205,21 @@ class DecodeTables:
         return Memo()
 
     @functools.cached_property
-    def reused(self) -> dict[str, tuple]:
+    def reused(self) -> dict[object, tuple]:
         """``"filled"``: the last bias :func:`window_bias` filled, with its arguments;
-        ``"step"``: the last choice :func:`attend_step` made, with its arguments."""
+        ``("step", B)``: the last choice :func:`attend_step` made for ``B`` rows, with its
+        arguments."""
         return {}
 
     @functools.cached_property
     def _early_tables(self) -> dict[torch.dtype, tuple[torch.Tensor | None, tuple[bool, ...]]]:
         return {}
+
+
+def cost_constants() -> tuple:
+    """The cost model's constants, part of the key of every choice kept (a changed
+    constant makes its choices anew)."""
+    return (BRANCH_CALLS_COST, ROW_CALL_COST, MAX_RUN, MASKED_FACTOR, DISTINCT_FACTOR, ROW_STEP_COST)
 
 
 # Places in the cycle of segments whose one-row cost DecodeTables.row_cost keeps.
@@ -269,8 +276,8 @@ def decode_tables(
     table = branch_table(num_heads, segment_lengths, dilation_rates, mode, head_offsets)
     sets = branch_head_sets(num_heads, dilation_rates, mode, head_offsets)
     branches, query_heads = [], []
-    # A branch that counts every head first (r = 1 in mixture): its result is the start
-    # that the others merge into (see branch_attention).
+    # A branch that counts every head first (r = 1 in mixture): its call is the one the
+    # others merge into in place (see StepPlan.merges_in_place).
     for i in sorted(range(len(sets)), key=lambda i: table.rates[i] != 1):
         w, r = table.segment_lengths[i], table.rates[i]
         # Offsets are below H: phases from H on select no head (and r may be huge).
@@ -436,8 +443,9 @@ class StepPlan:
     segments stand as the plan's key says (:func:`_places`); ``fixed``: what they cost
     beyond their keys and :data:`BRANCH_CALLS_COST` (:data:`ROW_CALL_COST` per call
     beyond one per branch and phase); ``cells``: where their outputs go in the merge
-    (:func:`_cells`); ``size``: the elements it holds with its key (the merge index,
-    the key's places, the calls' fields and rows), a measure of its memory."""
+    (:func:`_cells`) where they do not merge in place; ``size``: the elements it holds
+    with its key (the merge index, the key's places, the calls' fields and rows), a
+    measure of its memory; ``batch``, ``num_heads``: the step's rows and query heads."""
 
     calls: tuple[BranchCall, ...]
     fixed: float
@@ -446,22 +454,21 @@ class StepPlan:
     batch: int
     num_heads: int
 
-    def key_heads(self, num_heads: int, groups_per_kv: int) -> tuple[slice, ...] | None:
+    def kv_heads(self, groups_per_kv: int) -> tuple[slice, ...] | None:
         """Per call, the key/value heads of its query heads when each ``groups_per_kv``
         consecutive query heads share one (a slice, the kernel broadcasting each over its
         query heads); ``None`` where a call's map no view expresses. Kept per grouping."""
-        grouping = (num_heads, groups_per_kv)
-        if grouping not in self._key_heads:
+        if groups_per_kv not in self._kv_heads:
             found: tuple[slice, ...] | None = tuple(call.heads for call in self.calls)
             if groups_per_kv > 1:
-                mapped = [key_heads(call.heads.indices(num_heads), groups_per_kv)[0] for call in self.calls]
+                mapped = [key_heads(call.heads.indices(self.num_heads), groups_per_kv)[0] for call in self.calls]
                 found = tuple(slice(*kv) for kv in mapped if kv is not None)
                 found = found if len(found) == len(mapped) else None
-            self._key_heads[grouping] = found
-        return self._key_heads[grouping]
+            self._kv_heads[groups_per_kv] = found
+        return self._kv_heads[groups_per_kv]
 
     @functools.cached_property
-    def _key_heads(self) -> dict[tuple[int, int], tuple[slice, ...] | None]:
+    def _kv_heads(self) -> dict[int, tuple[slice, ...] | None]:
         return {}
 
     @functools.cached_property
@@ -596,7 +603,7 @@ def branch_calls(
     if limit <= BRANCH_CALLS_COST:  # short windows: the common case, answered at once
         return BRANCH_CALLS_COST, None
     places, key = _places(tables, positions)
-    key = (key, ROW_CALL_COST, MASKED_FACTOR, MAX_RUN)  # with the constants of the cost model that chose it
+    key = (key, cost_constants())  # with the constants of the cost model that chose it
     plan = tables.plans.get(key)
     if plan is None:
         plan = _plan(tables, places)
@@ -635,7 +642,7 @@ def branch_attention(
     if calls is None:
         calls = branch_calls(tables, positions)[1]
         assert calls is not None  # without a limit
-    kv_heads = calls.plan.key_heads(num_heads, groups_per_kv)
+    kv_heads = calls.plan.kv_heads(groups_per_kv)
     if kv_heads is None:
         return None
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -690,9 +697,11 @@ def _combine(
     part ``(out, lse)``, the ``i``-th the attention of ``plan.calls[i]``, its heads
     (a slice) of its batch rows (a slice or a tuple of rows) over some of the keys of
     its branch, of ``branches`` (the parts of one branch cover each cell at most
-    once), ``out`` times ``out_scale``; what no part covers: 0 and ``-inf``. The parts
-    are written by one indexed copy per tensor (at ``plan.cells``), then merged by
-    branch (a decode step's tensors are small: operations, not bytes, cost)."""
+    once), ``out`` times ``out_scale``; what no part covers: 0 and ``-inf``. Where
+    ``plan.merges_in_place``, the other parts merge into the first's output in place
+    (:func:`_merge_into`); else the parts are written by one indexed copy per tensor (at
+    ``plan.cells``), then merged by branch (a decode step's tensors are small:
+    operations, not bytes, cost)."""
     batch, num_heads, length, dim = shape
     if plan.merges_in_place:
         out, lse = parts[0][0].to(acc), parts[0][1]
@@ -770,9 +779,10 @@ def attend_step(
         return window_attention(q, k, v, key_positions, tables, scale, padding, width)
     positions = [p + k.shape[2] - 1 for p in key_positions]
     distinct = batch > 1 and len(set(positions)) > 1  # a bias per row
-    # The layers of a model take their steps at the same positions, one after another.
-    key = (tuple(positions), k.shape[2], num_heads, width, BRANCH_CALLS_COST, ROW_CALL_COST, DISTINCT_FACTOR)
-    last = tables.reused.get("step")
+    # The layers of a model take their steps at the same positions, one after another
+    # (kept per batch size: a batch's rows taken alone keep their own).
+    key = (tuple(positions), k.shape[2], num_heads, width, cost_constants())
+    last = tables.reused.get(("step", batch))
     if last is not None and last[0] == key:
         width, window, branches, calls = last[1]
     else:
@@ -780,7 +790,7 @@ def attend_step(
             width = window_width(tables, positions, 1, k.shape[2])
         window = tables.window_cost(positions, num_heads, DISTINCT_FACTOR if distinct else 1.0, width)
         branches, calls = branch_calls(tables, positions, window)
-        tables.reused["step"] = (key, (width, window, branches, calls))
+        tables.reused[("step", batch)] = (key, (width, window, branches, calls))
     if distinct and ROW_STEP_COST * batch < min(window, branches):  # rows alone may be cheaper
         alone = sum(tables.row_cost(p, num_heads) for p in positions) + ROW_STEP_COST * batch
         if alone < min(window, branches):
