@@ -186,17 +186,9 @@ def run(
         and takes_step(call.q, call.k, call.v, call.shape[1], dropout, kernel)
         and (key_flags is None if keys_checked else nonfinite_rows(call.k, call.v) is None)
     ):
-        tables = decode.decode_tables(
-            call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets, call.q.device
-        )
-        return decode.attend_step(
-            call.q,
-            call.k.transpose(1, 2),
-            call.v.transpose(1, 2),
-            call.key_offsets,
-            tables,
-            validation.kernel_scale(call.scale, call.q.dtype),
-            call.padding,
+        branches = (call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets)
+        return step(
+            call.q, call.k.transpose(1, 2), call.v.transpose(1, 2), call.key_offsets, call.padding, branches, call.scale
         )
     if fused.use_triton(call.q, dropout, exchange is not None, kernel):
         table = branch_table(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets)
@@ -208,6 +200,20 @@ def run(
     parts = [_attend(call, offset, rows, dropout, seed, None, *checks) for offset, rows in groups]
     order = torch.cat([torch.as_tensor(rows, device=call.q.device) for _, rows in groups]).argsort()
     return tuple(torch.cat(part)[order] for part in zip(*parts, strict=True))
+
+
+def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_offsets, padding, branches, scale: float):
+    """The lean decode step (:func:`dilated_attention.ops.decode.attend_step`) of a
+    validated causal call that :func:`takes_step`: ``q`` ``(B, Lq, H, D)``, ``k, v``
+    ``(B, H_kv, Lk, D)`` (key-head-major views), ``key_offsets`` the position of each
+    row's first key, ``padding`` ``(B, Lk)`` or ``None``, ``branches`` ``(segment_lengths,
+    dilation_rates, mode, head_offsets)``, ``scale`` the checked softmax scale ->
+    ``(out, lse)``, ``(B, Lq, H, D)`` and ``(B, Lq, H)``."""
+    segment_lengths, dilation_rates, mode, head_offsets = branches
+    tables = decode.decode_tables(
+        q.shape[2], tuple(segment_lengths), tuple(dilation_rates), mode, head_offsets, q.device
+    )
+    return decode.attend_step(q, k, v, key_offsets, tables, validation.kernel_scale(scale, q.dtype), padding)
 
 
 def takes_step(

@@ -58,7 +58,7 @@ import torch
 
 from .. import functional
 from ..functional import dilated_attention
-from ..ops import decode, validation
+from ..ops import validation
 from ..ops.engine import all_finite, nonfinite_rows
 from ..ops.plan import window_start_needed
 from ..utils.extras import MissingExtra, install_hint
@@ -517,18 +517,10 @@ def _attend(
         # The options were checked by register(), the keys' reach and the mask by the caller.
         validation.refuse_torch_func()
         validation.check_qkv(q, k, v, "bhnd")
-        scale = _checked_scale(options["softmax_scale"], q.shape[-1])
+        scale = validation.check_scale(options["softmax_scale"], q.shape[-1])
         if functional.takes_step(q, k, v, q.shape[2]):
-            tables = decode.decode_tables(
-                q.shape[1],
-                tuple(options["segment_lengths"]),
-                tuple(options["dilation_rates"]),
-                options["mode"],
-                options["head_offsets"],
-                q.device,
-            )
-            kernel_scale = validation.kernel_scale(scale, q.dtype)
-            out, lse = decode.attend_step(q.transpose(1, 2), k, v, offsets, tables, kernel_scale, padding)
+            branches = [options[name] for name in ("segment_lengths", "dilation_rates", "mode", "head_offsets")]
+            out, lse = functional.step(q.transpose(1, 2), k, v, offsets, padding, branches, scale)
         else:
             call = validation.Attention(
                 q.transpose(1, 2),
@@ -556,12 +548,6 @@ def _attend(
             **options,
         )
     return out if sinks is None else _with_sinks(out, lse, sinks)
-
-
-@functools.lru_cache(maxsize=64)
-def _checked_scale(scaling: float | None, head_dim: int) -> float:
-    """The softmax scale: ``scaling``, else ``head_dim ** -0.5`` (checked once per value)."""
-    return validation.check_scale(scaling, head_dim)
 
 
 def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
