@@ -274,6 +274,7 @@ def test_rows_near_each_other_share_a_call_and_rows_far_apart_do_not(monkeypatch
     q, k, v = (t.detach() for t in (q, k, v))
     tables = tables_of(attn, 4)
     monkeypatch.setattr(decode, "ROW_CALL_COST", 40)  # pairs: shared 3 x 4 x 16 x 1.125 < alone 4 x 45 + 2 x 40
+    monkeypatch.setattr(decode, "MASKED_FACTOR", 1.125)
     last = [s + 20 for s in starts]
     calls = decode.branch_calls(tables, last)[1]
     assert calls is not None

@@ -45,9 +45,13 @@ BRANCH_CALLS_COST = 8192
 ROW_CALL_COST = 2048
 # Rows that one branch-by-branch call takes at most.
 MAX_RUN = 32
-# What a pair costs in a call whose rows attend to different numbers of keys (their
-# mask read and added; measured 1.07 to 1.15 on 2-core x86 CPUs).
-MASKED_FACTOR = 1.125
+# What a pair costs in a call whose rows attend to different numbers of keys (a mask
+# for each row's keys before its own), against a pair of a call whose rows attend to
+# all of theirs. The mask itself costs a call alone 1.0 to 1.1 times; set from the
+# steps of left-padded batches of 8 instead (2-core AMD EPYC, keys out of the
+# processor's caches, alternating runs from 4K to 64K): 2 made them 2 to 7% faster
+# than 1.125, and 3 or 4 no faster than 2 beyond the runs' noise.
+MASKED_FACTOR = 2.0
 # Rows at different positions: the window's pairs cost this many times more (a bias
 # per row to build and read, and the keys before a later row's segment start), and a
 # row taken alone this much more (its whole step's overhead); measured alike.
@@ -442,14 +446,14 @@ class StepPlan:
     """The calls of :func:`branch_attention` for query rows whose places in their
     segments stand as the plan's key says (:func:`_places`); ``fixed``: what they cost
     beyond their keys and :data:`BRANCH_CALLS_COST` (:data:`ROW_CALL_COST` per call
-    beyond one per branch and phase); ``cells``: where their outputs go in the merge
-    (:func:`_cells`) where they do not merge in place; ``size``: the elements it holds
+    beyond one per branch and phase); ``sources``: where the merge reads each cell in
+    their outputs (:func:`_sources`) where they do not merge in place; ``size``: the elements it holds
     with its key (the merge index, the key's places, the calls' fields and rows), a
     measure of its memory; ``batch``, ``num_heads``: the step's rows and query heads."""
 
     calls: tuple[BranchCall, ...]
     fixed: float
-    cells: torch.Tensor
+    sources: torch.Tensor
     size: int
     batch: int
     num_heads: int
@@ -536,11 +540,11 @@ def _plan(tables: DecodeTables, places: Sequence[Sequence[int]]) -> StepPlan:
                 deficits = None if min(counts) == longest else tuple(longest - count for count in counts)
                 lead = rows[counts.index(longest)]
                 calls.append(BranchCall(branch, r, heads, _rows_index(rows), lead, deficits, weight))
-    cells = _cells(calls, len(places[0]), tables.num_heads)
-    size = cells.numel() + len(places) * len(places[0])
+    sources = _sources(calls, len(tables.branches), len(places[0]), tables.num_heads)
+    size = sources.numel() + len(places) * len(places[0])
     for call in calls:
         size += CALL_ELEMENTS + len(call.deficits or ()) + (len(call.rows) if isinstance(call.rows, tuple) else 0)
-    return StepPlan(tuple(calls), fixed, cells, size, len(places[0]), tables.num_heads)
+    return StepPlan(tuple(calls), fixed, sources, size, len(places[0]), tables.num_heads)
 
 
 def _grouping(members: dict[int, int], heads_counted: int) -> list[tuple[list[int], list[int], float]]:
@@ -645,28 +649,26 @@ def branch_attention(
     kv_heads = calls.plan.kv_heads(groups_per_kv)
     if kv_heads is None:
         return None
-    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # Every call's arguments first, then the calls back to back: each call streams its
+    # keys through the processor's caches, and the small operations between two calls
+    # would run cold (several times slower).
+    arguments = []
     for call, longest, kv in zip(calls.plan.calls, calls.longest, kv_heads, strict=True):
         keys = (end - 1 - (longest - 1) * call.r, longest, call.r)
         rows = call.rows
-        if isinstance(rows, slice):
-            qs = _sliced(queries, rows, call.heads, (0, 1, 1))
-            ks, vs = _sliced(k, rows, kv, keys), _sliced(v, rows, kv, keys)
-        else:
-            index = torch.tensor(rows, device=q.device)
-            every = slice(0, batch, 1)
-            qs, ks, vs = (
-                t.index_select(0, index)
-                for t in (
-                    _sliced(queries, every, call.heads, (0, 1, 1)),
-                    _sliced(k, every, kv, keys),
-                    _sliced(v, every, kv, keys),
-                )
-            )
+        # the rows to gather (at the call, one copy at a time), or None: a slice
+        gathered = None if isinstance(rows, slice) else torch.tensor(rows, device=q.device)
+        rows = slice(0, batch, 1) if gathered is not None else rows
+        qs = _sliced(queries, rows, call.heads, (0, 1, 1))
+        ks, vs = _sliced(k, rows, kv, keys), _sliced(v, rows, kv, keys)
         # a row's keys before its segment's start, where its call reads further back for others
         mask = None if call.deficits is None else tables.late_keys_mask(call.deficits, longest, acc, q.device)
-        o, part_lse = _cpu_attention(qs, ks, vs, 0.0, False, attn_mask=mask, scale=scale)
-        parts.append((o, part_lse))
+        arguments.append((qs, ks, vs, mask, gathered))
+    parts = []
+    for qs, ks, vs, mask, gathered in arguments:
+        if gathered is not None:
+            qs, ks, vs = qs.index_select(0, gathered), ks.index_select(0, gathered), vs.index_select(0, gathered)
+        parts.append(_cpu_attention(qs, ks, vs, 0.0, False, attn_mask=mask, scale=scale))
     shape = (batch, num_heads, 1, dim)
     out, lse = _combine(parts, calls.plan, len(tables.branches), shape, tables.out_scale, acc, q.device)
     return (out if out.dtype == q.dtype else out.to(q.dtype)).transpose(1, 2), lse.transpose(1, 2)
@@ -699,28 +701,36 @@ def _combine(
     its branch, of ``branches`` (the parts of one branch cover each cell at most
     once), ``out`` times ``out_scale``; what no part covers: 0 and ``-inf``. Where
     ``plan.merges_in_place``, the other parts merge into the first's output in place
-    (:func:`_merge_into`); else the parts are written by one indexed copy per tensor (at
-    ``plan.cells``), then merged by branch (a decode step's tensors are small:
-    operations, not bytes, cost)."""
-    batch, num_heads, length, dim = shape
+    (:func:`_merge_into`); else the parts are concatenated and gathered into a
+    ``(branches, B, H)`` grid (``plan.sources``), then merged over the branches by their
+    shares of the joint denominator (a decode step's tensors are small: operations, not
+    bytes, cost)."""
+    length, dim = shape[2:]
     if plan.merges_in_place:
         out, lse = parts[0][0].to(acc), parts[0][1]
         for call, (part, part_lse) in zip(plan.calls[1:], parts[1:], strict=True):
             assert isinstance(call.rows, slice)  # merges_in_place says so
             _merge_into(out, lse, call.rows, call.heads, part if part.dtype == acc else part.to(acc), part_lse)
         return (out.mul_(out_scale) if out_scale != 1.0 else out), lse
-    outs = torch.zeros((branches * batch * num_heads, length, dim), dtype=acc, device=device)
-    lses = torch.full((branches * batch * num_heads, length), -math.inf, dtype=acc, device=device)
-    if parts:
-        outs.index_copy_(0, plan.cells, torch.cat([o.reshape(-1, length, dim) for o, _ in parts]).to(acc))
-        lses.index_copy_(0, plan.cells, torch.cat([lse.reshape(-1, length) for _, lse in parts]))
+    none_out, none_lse = _no_part(length, dim, acc, device)
+    # every part's cells, then the (0, -inf) of no part, gathered into (branch, row, head) order
+    outs = torch.cat([o.reshape(-1, length, dim) for o, _ in parts] + [none_out]).index_select(0, plan.sources)
+    lses = torch.cat([lse.reshape(-1, length) for _, lse in parts] + [none_lse]).index_select(0, plan.sources)
     outs, lses = outs.view(branches, *shape), lses.view(branches, *shape[:3])
-    # the log-sum-exp over branches, its maximum kept finite where no part covers a cell
-    top = lses.amax(0).clamp_min_(torch.finfo(acc).min)
-    weights = (lses - top).exp_()
-    total = weights.sum(0)
-    out = (outs * weights.unsqueeze(-1)).sum(0).div_(total.clamp_min(torch.finfo(acc).tiny).unsqueeze(-1))
-    return (out.mul_(out_scale) if out_scale != 1.0 else out), total.log_().add_(top)
+    lse = torch.logsumexp(lses, 0)  # -inf where no part covers a cell
+    # each branch's share of the joint denominator (0 where no part covers the cell)
+    weights = (lses - lse.clamp_min(torch.finfo(acc).min)).exp_()
+    out = (outs * weights.unsqueeze(-1)).sum(0)
+    return (out.mul_(out_scale) if out_scale != 1.0 else out), lse
+
+
+@functools.lru_cache(maxsize=16)
+def _no_part(length: int, dim: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`_combine` reads for a cell no part covers: ``0`` ``(1, length, dim)``
+    and ``-inf`` ``(1, length)`` (kept; never written)."""
+    return torch.zeros((1, length, dim), dtype=dtype, device=device), torch.full(
+        (1, length), -math.inf, dtype=dtype, device=device
+    )
 
 
 def _merge_into(out, lse, rows: slice, heads: slice, part: torch.Tensor, part_lse: torch.Tensor) -> None:
@@ -739,10 +749,11 @@ def _merge_into(out, lse, rows: slice, heads: slice, part: torch.Tensor, part_ls
     torch.logaddexp(lse_view, part_lse, out=lse_view)
 
 
-def _cells(calls: Sequence[BranchCall], batch: int, num_heads: int) -> torch.Tensor:
-    """The flat index of each call's ``(branch, row, head)`` cells in a ``(branches, B,
-    H)`` tensor, in the order of its outputs (built in an ``array``: a list's
-    ``torch.tensor`` takes several times as long)."""
+def _sources(calls: Sequence[BranchCall], branches: int, batch: int, num_heads: int) -> torch.Tensor:
+    """Per cell of a ``(branches, B, H)`` grid, flat, where :func:`_combine` reads it in
+    the calls' outputs concatenated ``(row, head)`` by ``(row, head)``: the place of the
+    call of its branch that covers it, or one past the last (no call does). Built in an
+    ``array``: a list's ``torch.tensor`` takes several times as long."""
     cells = array.array("q")
     for call in calls:
         first, stop, step = call.heads.indices(num_heads)
@@ -750,7 +761,10 @@ def _cells(calls: Sequence[BranchCall], batch: int, num_heads: int) -> torch.Ten
         for row in range(*rows.indices(batch)) if isinstance(rows, slice) else rows:
             base = (call.branch * batch + row) * num_heads
             cells.extend(range(base + first, base + stop, step))
-    return torch.frombuffer(cells, dtype=torch.int64) if cells else torch.zeros(0, dtype=torch.int64)
+    sources = array.array("q", [len(cells)]) * (branches * batch * num_heads)
+    for place, cell in enumerate(cells):
+        sources[cell] = place
+    return torch.frombuffer(sources, dtype=torch.int64)
 
 
 def _covers(index: slice | tuple[int, ...], size: int) -> bool:
