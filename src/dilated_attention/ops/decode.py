@@ -655,10 +655,11 @@ def branch_attention(
     arguments = []
     for call, longest, kv in zip(calls.plan.calls, calls.longest, kv_heads, strict=True):
         keys = (end - 1 - (longest - 1) * call.r, longest, call.r)
-        rows = call.rows
         # the rows to gather (at the call, one copy at a time), or None: a slice
-        gathered = None if isinstance(rows, slice) else torch.tensor(rows, device=q.device)
-        rows = slice(0, batch, 1) if gathered is not None else rows
+        if isinstance(call.rows, slice):
+            rows, gathered = call.rows, None
+        else:
+            rows, gathered = slice(0, batch, 1), torch.tensor(call.rows, device=q.device)
         qs = _sliced(queries, rows, call.heads, (0, 1, 1))
         ks, vs = _sliced(k, rows, kv, keys), _sliced(v, rows, kv, keys)
         # a row's keys before its segment's start, where its call reads further back for others
