@@ -289,6 +289,27 @@ def test_rows_near_each_other_share_a_call_and_rows_far_apart_do_not(monkeypatch
         assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10
 
 
+@pytest.mark.parametrize(("rates", "in_place"), [([2, 4], False), ([1, 2], True)])
+def test_a_merge_keeps_float32_precision_whatever_the_log_sum_exps(rates, in_place):
+    """Two branches whose best key is the same, at a score near 1,600: the merged
+    output is a convex combination of the branches' outputs whatever the rounding of
+    their log-sum-exps (an ulp of 1,600 in float32 is about 1e-4), within float32's
+    tolerance of the float64 reference."""
+    attn = dict(segment_lengths=[16, 32], dilation_rates=rates, mode="mixture", head_offsets="interleaved")
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 32, 4, 16, generator=generator, dtype=torch.float64) for _ in range(3))
+    k[:, 23] = q[:, 31]  # eight keys back: in both branches' keys of the heads of phase 1 and 3
+    tables = tables_of(attn, 4)
+    calls = decode.branch_calls(tables, [31, 31])[1]
+    assert calls is not None and calls.plan.merges_in_place == in_place
+    single = (t.float() for t in (q[:, -1:], k.transpose(1, 2), v.transpose(1, 2)))
+    out, lse = decode.branch_attention(*single, [31, 31], tables, 64.0, calls)
+    ref, ref_lse = reference_dilated_attention(q[:, -1:], k, v, is_causal=True, softmax_scale=64.0, **attn)
+    assert ref_lse.abs().max() > 1000
+    assert max_relative_error(out, ref) <= TOLERANCES[torch.float32]
+    assert lse_error(lse, ref_lse) <= TOLERANCES[torch.float32]
+
+
 @settings(max_examples=80)
 @given(
     configs(max_len=8),

@@ -704,8 +704,7 @@ def _combine(
     ``plan.merges_in_place``, the other parts merge into the first's output in place
     (:func:`_merge_into`); else the parts are concatenated and gathered into a
     ``(branches, B, H)`` grid (``plan.sources``), then merged over the branches by their
-    shares of the joint denominator (a decode step's tensors are small: operations, not
-    bytes, cost)."""
+    log-sum-exps (a decode step's tensors are small: operations, not bytes, cost)."""
     length, dim = shape[2:]
     if plan.merges_in_place:
         out, lse = parts[0][0].to(acc), parts[0][1]
@@ -718,11 +717,14 @@ def _combine(
     outs = torch.cat([o.reshape(-1, length, dim) for o, _ in parts] + [none_out]).index_select(0, plan.sources)
     lses = torch.cat([lse.reshape(-1, length) for _, lse in parts] + [none_lse]).index_select(0, plan.sources)
     outs, lses = outs.view(branches, *shape), lses.view(branches, *shape[:3])
-    lse = torch.logsumexp(lses, 0)  # -inf where no part covers a cell
-    # each branch's share of the joint denominator (0 where no part covers the cell)
-    weights = (lses - lse.clamp_min(torch.finfo(acc).min)).exp_()
-    out = (outs * weights.unsqueeze(-1)).sum(0)
-    return (out.mul_(out_scale) if out_scale != 1.0 else out), lse
+    # Weights against the largest branch's LSE (kept finite where no part covers a cell),
+    # divided by their sum: weights against the joint LSE itself would carry its rounding,
+    # about an ulp of |lse|, into every output.
+    top = lses.amax(0).clamp_min_(torch.finfo(acc).min)
+    weights = (lses - top).exp_()
+    total = weights.sum(0)
+    out = (outs * weights.unsqueeze(-1)).sum(0).div_(total.clamp_min(torch.finfo(acc).tiny).unsqueeze(-1))
+    return (out.mul_(out_scale) if out_scale != 1.0 else out), total.log_().add_(top)
 
 
 @functools.lru_cache(maxsize=16)
