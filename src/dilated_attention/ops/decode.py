@@ -447,9 +447,10 @@ class StepPlan:
     segments stand as the plan's key says (:func:`_places`); ``fixed``: what they cost
     beyond their keys and :data:`BRANCH_CALLS_COST` (:data:`ROW_CALL_COST` per call
     beyond one per branch and phase); ``sources``: where the merge reads each cell in
-    their outputs (:func:`_sources`) where they do not merge in place; ``size``: the elements it holds
-    with its key (the merge index, the key's places, the calls' fields and rows), a
-    measure of its memory; ``batch``, ``num_heads``: the step's rows and query heads."""
+    their outputs (:func:`_sources`) where they do not merge in place; ``size``: the
+    elements it holds with its key (the merge index, the key's places, the calls'
+    fields and rows), a measure of its memory; ``batch``, ``num_heads``: the step's rows
+    and query heads."""
 
     calls: tuple[BranchCall, ...]
     fixed: float
@@ -713,7 +714,8 @@ def _combine(
             _merge_into(out, lse, call.rows, call.heads, part if part.dtype == acc else part.to(acc), part_lse)
         return (out.mul_(out_scale) if out_scale != 1.0 else out), lse
     none_out, none_lse = _no_part(length, dim, acc, device)
-    # every part's cells, then the (0, -inf) of no part, gathered into (branch, row, head) order
+    # every part's cells, then the (0, -inf) of no part, gathered into (branch, row, head)
+    # order (the no-part row is in the accumulator's dtype: the concatenation promotes to it)
     outs = torch.cat([o.reshape(-1, length, dim) for o, _ in parts] + [none_out]).index_select(0, plan.sources)
     lses = torch.cat([lse.reshape(-1, length) for _, lse in parts] + [none_lse]).index_select(0, plan.sources)
     outs, lses = outs.view(branches, *shape), lses.view(branches, *shape[:3])
