@@ -51,6 +51,16 @@ def main() -> int:
         for impl in ("head_groups", "mixture")
         for backward, name in ((False, "forward"), (True, "fwd+bwd"))
     }
+    # Where the rest goes: one profiled forward of each mode, its time by operator.
+    by_op = {impl: benchmark.time_by_op(impl, 32768, alongside) for impl in ("head_groups", "mixture")}
+    say("one forward at N=32768 by PyTorch operator (torch.profiler, self time; page faults of fresh memory count")
+    say("in the operator that touches it first):")
+    for impl, ops in by_op.items():
+        say(
+            f"  {impl:12} "
+            + ", ".join(f"{o['op'].removeprefix('aten::')} {100 * o['share']:.1f}% ({o['calls']})" for o in ops)
+        )
+    say()
     lengths = [16384] + ([] if args.skip_1m else [1048576])
     scaling = rows(lengths, ["mixture", "head_groups"], repeats=1, backward=False, memory=False, max_seconds=1e9)
     memory = rows([131072], ["mixture", "head_groups"], repeats=1, backward=False)
@@ -98,7 +108,9 @@ def main() -> int:
     runs = {
         name: [vars(r) for r in res.rows] for name, res in (("speed", speed), ("memory", memory), ("scaling", scaling))
     }
-    write_results(stem, {"machine": speed.machine, "checks": report, "runs": runs}, "\n".join(lines))
+    write_results(
+        stem, {"machine": speed.machine, "checks": report, "runs": runs, "forward_by_op": by_op}, "\n".join(lines)
+    )
     print(f"wrote {stem}.json and {stem}.txt")
     return 0
 

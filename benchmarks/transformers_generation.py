@@ -11,7 +11,12 @@ each length with ``model.generate`` (greedy) in four set-ups:
   values preallocated for the whole generation: no copy of the cache per step);
 - ``dilated``: ``w = [2048, 4096, 8192], r = [1, 2, 4]``, the default cache;
 - ``dilated + DilatedCache``: the same, with the library's bounded cache (each layer
-  keeps the last ``max(w) - 1 = 8191`` positions).
+  keeps the last ``max(w) - 1 = 8191`` positions);
+- ``no attention`` (timed only): the model with an attention function that reads
+  nothing and returns zeros, and the static cache: what a token costs besides
+  attention (projections, MLPs, norms, ``generate``'s own work), the same in every
+  set-up. Each set-up's time above it is what its attention and cache cost, which
+  does not shrink with the model as the rest does.
 
 The default prompts (5,120 and 62,464 tokens, about 4K and 64K) put the new tokens
 where a dilated step costs about its mean over the cycle of segments: 5,120 positions
@@ -46,12 +51,13 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETUPS = ("sdpa", "sdpa + static cache", "dilated", "dilated + DilatedCache")
+FLOOR = "no attention"  # timed beside the set-ups, its memory not measured
 BRANCHES = dict(segment_lengths=[2048, 4096, 8192], dilation_rates=[1, 2, 4])
 
 
 def build(setup: str, length: int):
     """The model of ``setup`` (the same weights for every set-up) and its random prompt."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
     from dilated_attention.integrations.transformers import register
 
@@ -67,8 +73,18 @@ def build(setup: str, length: int):
         max_position_embeddings=2 * length,
     )
     model = LlamaForCausalLM(config).eval()
-    model.set_attn_implementation("sdpa" if setup.startswith("sdpa") else "dilated")
+    if setup == FLOOR:
+        AttentionInterface.register("no_attention", no_attention)
+        model.set_attn_implementation("no_attention")
+    else:
+        model.set_attn_implementation("sdpa" if setup.startswith("sdpa") else "dilated")
     return model, torch.randint(0, 256, (1, length))
+
+
+def no_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention function that reads no key: zeros ``(B, Lq, H, D)`` (the floor)."""
+    batch, heads, length, dim = query.shape
+    return query.new_zeros(batch, length, heads, dim), None
 
 
 def generate(setup: str, model, prompt: torch.Tensor, new_tokens: int, peak=None) -> dict:
@@ -91,7 +107,7 @@ def generate(setup: str, model, prompt: torch.Tensor, new_tokens: int, peak=None
     extra: dict = {}
     if setup.endswith("DilatedCache"):
         extra["past_key_values"] = DilatedCache(model)
-    elif setup.endswith("static cache"):
+    elif setup.endswith("static cache") or setup == FLOOR:
         extra["cache_implementation"] = "static"
     start = time.perf_counter()
     result = model.generate(
@@ -134,8 +150,8 @@ def measure(setup: str, length: int, new_tokens: int) -> dict:
 def timed_rounds(length: int, new_tokens: int, rounds: int) -> dict[str, dict[str, list[float]]]:
     """The prefill's seconds and the milliseconds per new token of every set-up,
     ``rounds`` times, the set-ups taking turns, after a warm-up on a short prompt."""
-    models = {setup: build(setup, length) for setup in SETUPS}
-    times: dict[str, dict[str, list[float]]] = {setup: {"prefill_s": [], "ms_per_new_token": []} for setup in SETUPS}
+    models = {setup: build(setup, length) for setup in (*SETUPS, FLOOR)}
+    times: dict[str, dict[str, list[float]]] = {setup: {"prefill_s": [], "ms_per_new_token": []} for setup in models}
     with torch.no_grad():
         for setup, (model, prompt) in models.items():  # warm-up, not recorded
             generate(setup, model, prompt[:, :64], 2)
@@ -149,24 +165,31 @@ def timed_rounds(length: int, new_tokens: int, rounds: int) -> dict[str, dict[st
 
 def table(rows: list[dict]) -> str:
     """The rows as a text table; ``x best sdpa``: time per token over the faster ``sdpa``
-    set-up's at the same prompt length."""
+    set-up's at the same prompt length; ``above floor``: time per token over the
+    ``no attention`` row's (what attention and cache add)."""
     header = f"{'setup':<24}{'prompt':>8}{'MiB':>8}{'prefill':>12}{'decode':>12}{'prefill s':>11}{'ms/token':>10}"
-    lines = [f"{'':<32}{'cache':>8}{'peak added MiB':>24}", header + f"{'x best sdpa':>13}"]
+    lines = [f"{'':<32}{'cache':>8}{'peak added MiB':>24}", header + f"{'x best sdpa':>13}{'above floor':>13}"]
     for r in rows:
-        mib = [r[key] / 2**20 for key in ("cache_bytes", "prefill_peak_added_bytes", "decode_peak_added_bytes")]
-        sdpa = [
-            o["ms_per_new_token"] for o in rows if o["prompt_tokens"] == r["prompt_tokens"] and o["setup"][:4] == "sdpa"
-        ]
-        ratio = f"{r['ms_per_new_token'] / min(sdpa):>13.2f}" if sdpa else ""
+        keys = ("cache_bytes", "prefill_peak_added_bytes", "decode_peak_added_bytes")
+        mib = "".join(
+            f"{r[key] / 2**20:>{width}.1f}" if r.get(key) is not None else f"{'-':>{width}}"
+            for key, width in zip(keys, (8, 12, 12), strict=True)
+        )
+        same = [o for o in rows if o["prompt_tokens"] == r["prompt_tokens"]]
+        sdpa = [o["ms_per_new_token"] for o in same if o["setup"][:4] == "sdpa"]
+        floor = [o["ms_per_new_token"] for o in same if o["setup"] == FLOOR]
+        ratio = f"{r['ms_per_new_token'] / min(sdpa):>13.2f}" if sdpa and r["setup"] != FLOOR else f"{'':>13}"
+        above = f"{r['ms_per_new_token'] - floor[0]:>13.1f}" if floor and r["setup"] != FLOOR else ""
         lines.append(
-            f"{r['setup']:<24}{r['prompt_tokens']:>8}{mib[0]:>8.1f}{mib[1]:>12.1f}{mib[2]:>12.1f}"
-            f"{r['prefill_s']:>11.2f}{r['ms_per_new_token']:>10.1f}{ratio}"
+            f"{r['setup']:<24}{r['prompt_tokens']:>8}{mib}{r['prefill_s']:>11.2f}{r['ms_per_new_token']:>10.1f}{ratio}{above}"
         )
     rounds = sorted({(len(r["ms_per_new_token_rounds"]), r["prompt_tokens"]) for r in rows})
     counts = ", ".join(f"{count} at {prompt}" for count, prompt in rounds)
     lines.append(
         f"prefill s, ms/token: the median of the rounds ({counts} tokens), the set-ups taking turns in a "
-        "process that measures no memory; memory: one run per set-up in a fresh process"
+        "process that measures no memory; memory: one run per set-up in a fresh process; no attention: the model "
+        "with an attention function that reads nothing (static cache), the floor every set-up pays; above floor: "
+        "ms/token minus the floor's, what attention and cache add"
     )
     return "\n".join(lines)
 
@@ -197,11 +220,12 @@ def main() -> None:
         command = [sys.executable, __file__, "--rounds-of", str(length), "--new-tokens", str(args.new_tokens)]
         command += ["--rounds", str(args.rounds if length <= args.timed_up_to else 1)]
         rounds = json_from(command, f"the timed rounds at {length}")
-        for row in rows[-len(SETUPS) :]:
+        rows.append({"setup": FLOOR, "prompt_tokens": length, "new_tokens": args.new_tokens})
+        for row in rows[-len(SETUPS) - 1 :]:
             row["ms_per_new_token_rounds"] = rounds[row["setup"]]["ms_per_new_token"]
             for key, series in rounds[row["setup"]].items():
                 row[key] = statistics.median(series)
-        print(table(rows[-len(SETUPS) :]), flush=True)
+        print(table(rows[-len(SETUPS) - 1 :]), flush=True)
     import transformers
 
     payload = {

@@ -143,6 +143,33 @@ def kernel_fraction(impl: str, seq_len: int, cfg: BenchConfig, backward: bool) -
     return 3.5 * 4 * cfg.head_dim * pairs / 1e9 * per_kernel
 
 
+def time_by_op(impl: str, seq_len: int, cfg: BenchConfig, top: int = 5) -> list[dict]:
+    """Where one forward of ``impl`` (after a warm-up) spends its time, by PyTorch
+    operator: ``torch.profiler``'s self time (on the CPU; the host's time on other
+    devices), the ``top`` operators by it and the rest as ``"(other)"``, each
+    ``{"op", "calls", "ms", "share"}``. An operator's self time includes the page
+    faults of the fresh memory it touches first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    (q, k, v, _), fn, _, _ = _workload(impl, seq_len, cfg)
+    device = torch.device(cfg.device)
+    with torch.no_grad():
+        fn(q, k, v)
+        _synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn(q, k, v)
+            _synchronize(device)
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops) or 1.0
+    rows = [
+        {"op": e.key, "calls": e.count, "ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total}
+        for e in ops[:top]
+    ]
+    rest = sum(e.self_cpu_time_total for e in ops[top:])
+    calls = sum(e.count for e in ops[top:])
+    return [*rows, {"op": "(other)", "calls": calls, "ms": rest / 1e3, "share": rest / total}]
+
+
 def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 4096, repeats: int = 5) -> float:
     """GFLOP/s of one large square ``size x size`` product (median of ``repeats``)."""
     matmul = _matmul(device, dtype, size)
