@@ -7,21 +7,24 @@
    attention op (from ``torch.profiler``).
 2. Dropout (the unfused kernel, position-keyed masks) against the fused path
    without dropout: forward time and the peak memory the forward adds, at one
-   8192-long segment and at ``N = 32768`` with ``w = 8192``.
+   8192-long segment and at ``N = 32768`` with ``w = 8192``; each time before any memory
+   is measured, each memory in a fresh process after one call not measured.
 
 float32, B = 1, H = 8, D = 64. Writes benchmarks/results/edge-costs-<device>.json
 and .txt.
 """
 
 import argparse
+import json
 import os
+import sys
 import time
 
 import torch
 
 from dilated_attention import dilated_attention
 from dilated_attention.ops.plan import make_plan
-from dilated_attention.tools.benchmark import PeakMemory, machine_info
+from dilated_attention.tools.benchmark import PeakMemory, json_from, machine_info
 from dilated_attention.utils.files import write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,22 +61,35 @@ def tiny_segments(seq_len: int, segs, rates) -> dict:
     )
 
 
-def dropout_cost(seq_len: int, w: int, dropout_p: float) -> dict:
-    """Forward time and the peak memory it adds (output excluded)."""
+def dropout_time(seq_len: int, w: int, dropout_p: float) -> dict:
+    """The forward's time (run before any memory is measured in this process: see
+    :func:`dropout_memory`)."""
     q, k, v = inputs(seq_len)
-    with torch.no_grad(), PeakMemory(torch.device("cpu")) as peak:
+    with torch.no_grad():
         start = time.perf_counter()
-        out = dilated_attention(q, k, v, [w], [1], dropout_p=dropout_p)
+        dilated_attention(q, k, v, [w], [1], dropout_p=dropout_p)
         seconds = time.perf_counter() - start
+    return dict(seq_len=seq_len, w=w, dropout_p=dropout_p, forward_s=seconds)
+
+
+def dropout_memory(row: dict) -> dict:
+    """``row`` with the peak memory its forward adds (output excluded), in a fresh
+    process after one call not measured (as ``bench`` measures memory): glibc's state
+    after the timings would change the figure, and :class:`PeakMemory` leaves glibc
+    mapping every large block afresh, which would slow any forward timed after it."""
+    command = [sys.executable, __file__, "--memory-of", str(row["seq_len"]), str(row["w"]), str(row["dropout_p"])]
+    command += ["--threads", str(torch.get_num_threads())]
+    return dict(row, **json_from(command, f"the memory of dropout_p={row['dropout_p']} at N={row['seq_len']}"))
+
+
+def _memory_of(seq_len: int, w: int, dropout_p: float) -> dict:
+    q, k, v = inputs(seq_len)
+    with torch.no_grad():
+        dilated_attention(q, k, v, [w], [1], dropout_p=dropout_p)
+        with PeakMemory(torch.device("cpu")) as peak:
+            out = dilated_attention(q, k, v, [w], [1], dropout_p=dropout_p)
     added = peak.added - out.numel() * out.element_size()
-    return dict(
-        seq_len=seq_len,
-        w=w,
-        dropout_p=dropout_p,
-        forward_s=seconds,
-        peak_added_mib=added / 2**20,
-        qkv_mib=3 * q.numel() * q.element_size() / 2**20,
-    )
+    return dict(peak_added_mib=added / 2**20, qkv_mib=3 * q.numel() * q.element_size() / 2**20)
 
 
 def main() -> int:
@@ -84,9 +100,14 @@ def main() -> int:
         action="store_true",
         help="skip the N = 32768 dropout run, about a minute (default: run it)",
     )
+    parser.add_argument("--memory-of", nargs=3, metavar=("N", "W", "P"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.memory_of:
+        n, w, p = args.memory_of
+        print(json.dumps(_memory_of(int(n), int(w), float(p))))
+        return 0
     lines = []
 
     def say(text=""):
@@ -106,7 +127,8 @@ def main() -> int:
         )
     say("\ndropout: forward time and peak memory added (q, k, v for scale)")
     runs = [(8192, 8192)] + ([] if args.skip_large_dropout else [(32768, 8192)])
-    dropout = [dropout_cost(n, w, p) for n, w in runs for p in (0.0, 0.1)]
+    timed = [dropout_time(n, w, p) for n, w in runs for p in (0.0, 0.1)]  # every timing first
+    dropout = [dropout_memory(row) for row in timed]
     for row in dropout:
         say(
             f"  N={row['seq_len']} w={row['w']} dropout_p={row['dropout_p']}: forward {row['forward_s']:.1f} s, "

@@ -139,12 +139,16 @@ def main():
 
     step()  # warm-up
     dist.barrier()
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    # Memory in a step of its own, after the timed one: PeakMemory leaves glibc mapping
+    # every large block afresh, which would slow a step timed inside it.
+    dist.barrier()
     with PeakMemory(device) as peak:
-        start = time.perf_counter()
         out, grads = step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
     figures = dict(
         rank=rank,
         shard=lengths[rank],
