@@ -289,6 +289,24 @@ def test_rows_near_each_other_share_a_call_and_rows_far_apart_do_not(monkeypatch
         assert lse_error(lse[row : row + 1], ref_lse) <= 1e-10
 
 
+def test_a_row_cost_kept_follows_the_cost_model(monkeypatch):
+    """:meth:`DecodeTables.row_cost` keeps its answer per place in the cycle of segments,
+    and per cost model: a changed constant gives the cost it implies, not the kept one."""
+    attn = dict(segment_lengths=[64, 128], dilation_rates=[1, 2], mode="mixture", head_offsets="interleaved")
+    tables = tables_of(attn, 4)
+    position = 3 * 128 + 100
+
+    def expected():
+        window = tables.window_cost([position], 4)
+        return min(window, decode.branch_calls(tables, [position], window)[0])
+
+    first = tables.row_cost(position, 4)
+    assert first == expected()
+    monkeypatch.setattr(decode, "BRANCH_CALLS_COST", 1)  # branch by branch much cheaper than the window
+    assert tables.row_cost(position, 4) == expected() < first
+    assert tables.row_cost(position + 128, 4) == expected()  # the same place one cycle on
+
+
 @pytest.mark.parametrize(("rates", "in_place"), [([2, 4], False), ([1, 2], True)])
 def test_a_merge_keeps_float32_precision_whatever_the_log_sum_exps(rates, in_place):
     """Two branches whose best key is the same, at a score near 1,600: the merged

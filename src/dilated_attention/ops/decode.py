@@ -110,10 +110,10 @@ class DecodeTables:
         """The cheaper way's cost (:meth:`window_cost`, :func:`branch_calls`) for one
         sequence's query at ``position``: it depends on the position only modulo
         ``lcm(segment_lengths)`` (its place in every segment), so it is kept per place
-        (a left-padded batch asks every step)."""
+        and cost model (a left-padded batch asks every step)."""
         if position < 0:  # padding: attends to nothing
             return 0
-        key = (position % self.period, num_heads)
+        key = (position % self.period, num_heads, cost_constants())
         found = self._row_costs.get(key)
         if found is None:
             window = self.window_cost([position], num_heads)
@@ -133,7 +133,7 @@ class DecodeTables:
         return math.lcm(*self.segment_lengths)
 
     @functools.cached_property
-    def _row_costs(self) -> dict[tuple[int, int], int]:
+    def _row_costs(self) -> dict[tuple[int, int, tuple], int]:
         return {}
 
     def reach(self, first: int, last: int) -> int:
