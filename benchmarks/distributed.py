@@ -16,6 +16,9 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
+from dilated_attention.tools.benchmark import machine_info
 from dilated_attention.utils.files import write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,8 +53,10 @@ def main() -> int:
             subprocess.run(command, check=True)
             with open(out) as f:
                 runs.append({"nproc": nproc, **json.load(f)})
+    machine = machine_info(torch.device("cpu"))
     lines = [
         (
+            f"{machine['cpu']}, torch {machine['torch']}, gloo; "
             f"N={args.seq_len}, {runs[0]['args']['dtype']}, {runs[0]['args']['mode']}, "
             f"w={runs[0]['args']['segment_lengths']} r={runs[0]['args']['dilation_rates']}, "
             f"H={runs[0]['args']['heads']} D={runs[0]['args']['head_dim']}; per rank (max over ranks):"
@@ -82,7 +87,7 @@ def main() -> int:
     print("\n".join(lines))
     stem = os.path.join(HERE, "results", "distributed-cpu")
     os.makedirs(os.path.dirname(stem), exist_ok=True)
-    write_results(stem, runs, "\n".join(lines))
+    write_results(stem, {"machine": machine, "runs": runs}, "\n".join(lines))
     print(f"wrote {stem}.json and {stem}.txt")
     return 0
 

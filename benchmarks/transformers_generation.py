@@ -15,8 +15,9 @@ each length with ``model.generate`` (greedy) in four set-ups:
 - ``no attention`` (timed only): the model with an attention function that reads
   nothing and returns zeros, and the static cache: what a token costs besides
   attention (projections, MLPs, norms, ``generate``'s own work), the same in every
-  set-up. Each set-up's time above it is what its attention and cache cost, which
-  does not shrink with the model as the rest does.
+  set-up (but for the attention mask, which ``transformers`` builds for ``sdpa`` and
+  not for this function, and the cache's writes). Each set-up's time above it is what
+  its attention and cache cost, which does not shrink with the model as the rest does.
 
 The default prompts (5,120 and 62,464 tokens, about 4K and 64K) put the new tokens
 where a dilated step costs about its mean over the cycle of segments: 5,120 positions
@@ -181,7 +182,7 @@ def table(rows: list[dict]) -> str:
         ratio = f"{r['ms_per_new_token'] / min(sdpa):>13.2f}" if sdpa and r["setup"] != FLOOR else f"{'':>13}"
         above = f"{r['ms_per_new_token'] - floor[0]:>13.1f}" if floor and r["setup"] != FLOOR else ""
         lines.append(
-            f"{r['setup']:<24}{r['prompt_tokens']:>8}{mib}{r['prefill_s']:>11.2f}{r['ms_per_new_token']:>10.1f}{ratio}{above}"
+            f"{r['setup']:<24}{r['prompt_tokens']:>8}{mib}{r['prefill_s']:>11.2f}{r['ms_per_new_token']:>10.1f}{ratio}{above}".rstrip()
         )
     rounds = sorted({(len(r["ms_per_new_token_rounds"]), r["prompt_tokens"]) for r in rows})
     counts = ", ".join(f"{count} at {prompt}" for count, prompt in rounds)

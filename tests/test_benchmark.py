@@ -35,13 +35,15 @@ def test_dense_pairs():
     assert attended_pairs(2, 10, 3, [4], [1], "dense", True) == 2 * 3 * 55
 
 
-def test_time_by_op_names_the_kernel_calls_and_accounts_for_the_whole_forward():
+def test_time_by_op_names_the_kernel_calls_and_accounts_for_every_operator():
     cfg = benchmark.BenchConfig(seq_lens=[64], device="cpu", segment_lengths=[16, 32], dilation_rates=[1, 2], heads=2)
     every = benchmark.time_by_op("head_groups", 64, cfg, top=1000)
     assert every[-1] == {"op": "(other)", "calls": 0, "ms": 0.0, "share": 0.0}
     assert sum(o["share"] for o in every) == pytest.approx(1.0)
     # head_groups with one head per branch: one call of PyTorch's CPU kernel per branch
     assert {o["op"]: o["calls"] for o in every}["aten::_scaled_dot_product_flash_attention_for_cpu"] == 2
+    times = [o["ms"] for o in every[:-1]]
+    assert times == sorted(times, reverse=True)  # the costliest first
     first = benchmark.time_by_op("head_groups", 64, cfg, top=1)
     assert [o["op"] for o in first][-1] == "(other)" and len(first) == 2
     assert first[0]["share"] + first[1]["share"] == pytest.approx(1.0)

@@ -118,8 +118,9 @@ class DecodeTables:
         if found is None:
             window = self.window_cost([position], num_heads)
             found = min(window, branch_calls(self, [position], window)[0])
-            if len(self._row_costs) < MAX_ROW_COSTS:
-                self._row_costs[key] = found
+            if len(self._row_costs) >= MAX_ROW_COSTS:  # full (of another cost model's, say): made anew
+                self._row_costs.clear()
+            self._row_costs[key] = found
         return found
 
     def __deepcopy__(self, memo) -> DecodeTables:
