@@ -24,7 +24,7 @@ import torch
 
 from dilated_attention import dilated_attention
 from dilated_attention.ops.plan import make_plan
-from dilated_attention.tools.benchmark import PeakMemory, json_from, machine_info
+from dilated_attention.tools.benchmark import BenchConfig, forward_peak_added, json_from, machine_info, time_by_op
 from dilated_attention.utils.files import write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,18 +46,15 @@ def tiny_segments(seq_len: int, segs, rates) -> dict:
         start = time.perf_counter()
         dilated_attention(q, k, v, segs, rates)
         forward_s = time.perf_counter() - start
-        with torch.profiler.profile() as prof:
-            dilated_attention(q, k, v, segs, rates)
-    events = prof.key_averages()
-    kernel = sum(e.self_cpu_time_total for e in events if "flash_attention" in e.key)
-    total = sum(e.self_cpu_time_total for e in events)
+    cfg = BenchConfig(seq_lens=[seq_len], segment_lengths=segs, dilation_rates=rates, heads=HEADS, head_dim=HEAD_DIM)
+    by_op = time_by_op("mixture", seq_len, cfg, top=10**6)  # every operator
     return dict(
         seq_len=seq_len,
         segment_lengths=segs,
         dilation_rates=rates,
         plan_ms=1e3 * plan_s,
         forward_ms=1e3 * forward_s,
-        kernel_share=kernel / total,
+        kernel_share=sum(o["share"] for o in by_op if "flash_attention" in o["op"]),
     )
 
 
@@ -84,11 +81,7 @@ def dropout_memory(row: dict) -> dict:
 
 def _memory_of(seq_len: int, w: int, dropout_p: float) -> dict:
     q, k, v = inputs(seq_len)
-    with torch.no_grad():
-        dilated_attention(q, k, v, [w], [1], dropout_p=dropout_p)
-        with PeakMemory(torch.device("cpu")) as peak:
-            out = dilated_attention(q, k, v, [w], [1], dropout_p=dropout_p)
-    added = peak.added - out.numel() * out.element_size()
+    added = forward_peak_added(lambda: dilated_attention(q, k, v, [w], [1], dropout_p=dropout_p), torch.device("cpu"))
     return dict(peak_added_mib=added / 2**20, qkv_mib=3 * q.numel() * q.element_size() / 2**20)
 
 

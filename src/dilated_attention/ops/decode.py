@@ -118,9 +118,7 @@ class DecodeTables:
         if found is None:
             window = self.window_cost([position], num_heads)
             found = min(window, branch_calls(self, [position], window)[0])
-            if len(self._row_costs) >= MAX_ROW_COSTS:  # full (of another cost model's, say): made anew
-                self._row_costs.clear()
-            self._row_costs[key] = found
+            self._row_costs.keep(key, found, 1, MAX_ROW_COSTS)
         return found
 
     def __deepcopy__(self, memo) -> DecodeTables:
@@ -134,8 +132,8 @@ class DecodeTables:
         return math.lcm(*self.segment_lengths)
 
     @functools.cached_property
-    def _row_costs(self) -> dict[tuple[int, int, tuple], int]:
-        return {}
+    def _row_costs(self) -> Memo:
+        return Memo()
 
     def reach(self, first: int, last: int) -> int:
         """How many keys queries at positions ``first .. last`` attend back over: from

@@ -525,18 +525,23 @@ def _with_backward(inputs, fn, fn_with_grad) -> Callable[[], object]:
     return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
 
 
+def forward_peak_added(call: Callable[[], torch.Tensor], device: torch.device) -> int:
+    """The peak bytes a forward ``call`` (no gradient) adds, its output excluded, after
+    one call not measured (what a first call sets up once is not the call's)."""
+    with torch.no_grad():
+        call()
+        with PeakMemory(device) as peak:
+            out = call()
+    return peak.added - out.numel() * out.element_size()
+
+
 def measure_memory(impl: str, seq_len: int, cfg: BenchConfig) -> tuple[int, int | None]:
     """The peak bytes a forward call adds (its output excluded), and a forward and
     backward (``None`` without ``cfg.backward``), each after one call not measured (what
     a first call sets up once, such as autograd's machinery, is not the call's)."""
     device = torch.device(cfg.device)
     inputs, fn, fn_with_grad, _ = _workload(impl, seq_len, cfg)
-    with torch.no_grad():
-        fn(*inputs[:3])
-        with PeakMemory(device) as peak:
-            out = fn(*inputs[:3])
-    forward = peak.added - out.numel() * out.element_size()
-    del out
+    forward = forward_peak_added(lambda: fn(*inputs[:3]), device)
     if not cfg.backward:
         return forward, None
     step = _with_backward(inputs, fn, fn_with_grad)
