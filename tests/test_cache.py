@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dilated_attention import DilatedKVCache, reference_dilated_attention
+from dilated_attention import DilatedKVCache, StaticKVCache, reference_dilated_attention
 from dilated_attention.nn.cache import MIN_SLOTS
 from dilated_attention.tools.check import TOLERANCES, max_relative_error
 from helpers import configs, feed, needs_interpreter, random_inputs, split_config
@@ -231,16 +231,24 @@ def test_gradients_reach_the_queries_and_the_new_keys():
         (lambda c: c.attend(*[torch.randn(1, 1, 3, 3)] * 3), "q must have shape (batch=1, L >= 1, heads=2"),
         (lambda c: c.attend(*[torch.randn(1, 1, 2, 3, dtype=torch.float64)] * 3), "like the cache"),
         (lambda c: c.attend(torch.randn(1, 2, 2, 3), *[torch.randn(1, 1, 2, 3)] * 2), "q, k, v must have one shape"),
+        (lambda c: c.attend(torch.randn(1, 1, 2, 3), *[torch.randn(1, 2, 2, 3)] * 2), "q, k, v must have one shape"),
+        (lambda c: c.attend(*[torch.randn(1, 1, 2, 3)] * 2, torch.randn(1, 2, 2, 3)), "q, k, v must have one shape"),
+        (lambda c: c.attend(*[torch.randn(1, 1, 2, 3)] * 2, [0.0]), "v must be a torch.Tensor, got list"),
         (lambda c: c.reorder(torch.tensor([1])), "indices must be at least one sequence index in [0, 1)"),
         (lambda c: c.reorder(torch.tensor([], dtype=torch.long)), "indices must be at least one sequence index"),
         (lambda c: c.reorder(torch.tensor([True])), "indices must be a 1-D int64 (or int32) tensor"),
         (lambda c: c.reset(start=1.5), "start must be an int"),
     ],
 )
-def test_bad_input(call, fragment):
-    cache = DilatedKVCache(1, 2, 3, [4, 8], [1, 2])
+@pytest.mark.parametrize("kind", [DilatedKVCache, StaticKVCache])
+def test_bad_input(kind, call, fragment):
+    """Both caches refuse the same bad input with the same message, before any change:
+    the next good call gives what it gives on a fresh cache."""
+    cache, fresh = kind(1, 2, 3, [4, 8], [1, 2]), kind(1, 2, 3, [4, 8], [1, 2])
     with pytest.raises((ValueError, TypeError), match=re.escape(fragment)):
         call(cache)
+    q, k, v = (torch.randn(1, 1, 2, 3) for _ in range(3))
+    assert torch.equal(cache.attend(q, k, v), fresh.attend(q, k, v))
 
 
 @given(configs(max_len=32), st.data())
@@ -271,6 +279,32 @@ def test_training_through_the_cache_with_only_queries_requiring_grad():
     ref, _ = reference_dilated_attention(ref_q, k, v, segs, rates, is_causal=True)
     (ref_grad,) = torch.autograd.grad(ref.square().sum(), ref_q)
     assert max_relative_error(grad, ref_grad) <= 1e-12
+
+
+def test_a_chunk_of_padding_only_is_differentiable_with_zero_gradients():
+    """Chunks trained through where every sequence is still in its left padding: the
+    output is 0 (a NaN in the padding included) and part of the graph, as
+    dilated_attention gives rows that attend to nothing, so a loss over the chunks
+    backpropagates; the padding's gradients are 0, the later chunk's the reference's."""
+    segs, rates = [4, 8], [1, 2]
+    (q, k, v), _, _ = random_inputs(5, 2, 9, 2, 3)
+    pads = [4, 3]
+    with torch.no_grad():
+        q[0, 1, 0, 0] = float("nan")  # in the padding: no effect
+    cache = DilatedKVCache(2, 2, 3, segs, rates, dtype=torch.float64, start=torch.tensor([-p for p in pads]))
+    padding = cache.attend(q[:, :3], k[:, :3], v[:, :3])
+    assert padding.requires_grad and torch.equal(padding, torch.zeros_like(padding))
+    later = cache.attend(q[:, 3:], k[:, 3:], v[:, 3:])
+    grads = torch.autograd.grad(padding.sum() + later.square().sum(), (q, k, v))
+    for grad in grads:
+        assert torch.equal(grad[:, :3], torch.zeros_like(grad[:, :3]))
+    for row, pad in enumerate(pads):
+        window = [t.detach()[row : row + 1, pad:].requires_grad_() for t in (q, k, v)]
+        ref, _ = reference_dilated_attention(*window, segs, rates, is_causal=True)
+        assert max_relative_error(later[row : row + 1, pad - 3 :], ref) <= 1e-10
+        ref_grads = torch.autograd.grad(ref.square().sum(), window)
+        for grad, ref_grad in zip(grads, ref_grads, strict=True):
+            assert max_relative_error(grad[row : row + 1, pad:], ref_grad) <= 1e-10
 
 
 def test_gradients_of_a_chunk_with_a_non_finite_key_survive_later_chunks():

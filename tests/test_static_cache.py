@@ -152,7 +152,7 @@ def test_static_cache_refuses_what_it_cannot_take():
     x = torch.randn(1, 3, 2, 4)
     with pytest.raises(ValueError, match="1 to max_chunk=2 positions"):
         cache.attend(x, x, x)
-    with pytest.raises(ValueError, match="shape \\(batch=1, L, heads=2, head_dim=4\\)"):
+    with pytest.raises(ValueError, match="shape \\(batch=1, L >= 1, heads=2, head_dim=4\\)"):
         cache.attend(x[..., :3], x[..., :3], x[..., :3])
     with pytest.raises(ValueError, match="max_chunk must be >= 1"):
         StaticKVCache(1, 2, 4, [8], [1], max_chunk=0)

@@ -240,11 +240,13 @@ def test_the_model_runs_and_generates_under_inference_mode():
 @pytest.mark.parametrize("bounded", [False, True], ids=["default-cache", "DilatedCache"])
 @torch.no_grad()
 @pytest.mark.parametrize("way", ["cheaper", "branch-by-branch"])
+@pytest.mark.parametrize("lengths", [[13, 6], [6, 6], [6]], ids=["two-paddings", "one-padding", "one-padded-row"])
 def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_nothing(
-    family, bounded, way, monkeypatch
+    family, bounded, way, lengths, monkeypatch
 ):
     """Each step's way (the cheaper one; or every step branch by branch, its calls
-    merged) gives the tokens and logits of the full forward."""
+    merged) gives the tokens and logits of the full forward, whether the rows' left
+    paddings differ or are one (the prompt's padding queries then in one call)."""
     ran = []
     if way == "branch-by-branch":
         monkeypatch.setattr(decode, "BRANCH_CALLS_COST", -(10**12))
@@ -252,8 +254,8 @@ def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_n
         monkeypatch.setattr(decode, "branch_attention", lambda *a, **kw: ran.append(1) or original(*a, **kw))
     model = tiny(family)
     model.set_attn_implementation("dilated")
-    tokens = torch.randint(0, 61, (2, 13))
-    mask = left_padded(tokens, [13, 6])
+    tokens = torch.randint(0, 61, (len(lengths), 13))
+    mask = left_padded(tokens, lengths)
     # With DilatedCache each layer keeps max(w) - 1 = 7 positions: the window slides
     # through the prompt and past row 1's padding while generating.
     cache = DilatedCache(model) if bounded else None
@@ -267,7 +269,7 @@ def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_n
         pad_token_id=0,
         past_key_values=cache,
     )
-    for row, length in enumerate([13, 6]):
+    for row, length in enumerate(lengths):
         sequence = tokens[row : row + 1, 13 - length :]
         for step in range(12):
             logits = model(sequence).logits[0, -1]

@@ -473,8 +473,8 @@ def _attend_rows(
         [row for row, s in enumerate(starts) if s == start] for start in sorted(set(starts)) if NO_QUERY < start < 0
     ]
     groups = [rows for rows in groups if rows]
-    every_row_in_one_call = len(groups) == 1 and len(groups[0]) == len(starts)  # none without a real query
-    out = None if every_row_in_one_call else query.new_zeros(query.shape)
+    every_row = len(groups) == 1 and len(groups[0]) == len(starts)  # in one call (none without a real query)
+    out = None if every_row else query.new_zeros(query.shape)
     for rows in groups:
         # slot of the earliest key a query of these rows attends to (positions < 0 are padding)
         drop = min(
@@ -489,15 +489,17 @@ def _attend_rows(
             )
         if drop >= num_keys:
             continue  # only padding queries: they output 0
-        picked = None if out is None else torch.tensor(rows, device=query.device)
+        picked = None if every_row else torch.tensor(rows, device=query.device)
         q, k, v, m = (t if picked is None or t is None else t[picked] for t in (query, key, value, mask))
         queries = slice(max(drop - first_query_slot, 0), num_queries)
         q = q if queries.start == 0 else q[:, :, queries]
         result = _attend(q, k, v, m, drop, [starts[row] for row in rows], options, sinks, keys_finite)
-        if out is None:
+        if every_row and queries.start == 0:  # every row and every query: the call's output as it is
             return result
-        out[picked, :, queries] = result
-    assert out is not None  # rows all in one call returned above
+        if out is None:  # the rows' first queries are padding (one padding length for all): they output 0
+            out = query.new_zeros(query.shape)
+        out[slice(None) if picked is None else picked, :, queries] = result
+    assert out is not None  # every row in one call, with no query cut, returned above
     return out
 
 

@@ -103,6 +103,61 @@ class CacheSettings:
             raise ValueError(f"kernel='triton' cannot run this step: {reason}; or use kernel='auto' or 'torch'")
         return reason is None
 
+    def _well_formed(self, q, k, v) -> bool:
+        """Whether ``q, k, v`` are what ``attend`` takes, but for a limit on ``L`` (the
+        common case, checked quickly; :meth:`_check_inputs` says what is wrong otherwise)."""
+        if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+            return False
+        shape = q.shape
+        return (
+            len(shape) == 4
+            and k.shape == shape
+            and v.shape == shape
+            and shape[1] >= 1
+            and (shape[0], shape[2], shape[3]) == self.shape
+            and q.dtype == k.dtype == v.dtype == self.dtype
+            and q.device == k.device == v.device == self.device
+        )
+
+    def _check_inputs(self, q, k, v, max_chunk: int | None = None) -> None:
+        """A ``TypeError`` or ``ValueError`` saying what is wrong with ``q, k, v``
+        ``(B, L, H, D)``: one shape, ``1 <= L`` (``<= max_chunk`` where given), the
+        cache's batch, heads, head dim, dtype and device."""
+        batch, heads, dim = self.shape
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(t)}")
+            if t.dim() == 4:
+                check_batch(batch, t.shape[0], name)
+            if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (batch, heads, dim) or t.shape[1] < 1:
+                raise ValueError(
+                    f"{name} must have shape (batch={batch}, L >= 1, heads={heads}, head_dim={dim}), "
+                    f"got {tuple(t.shape)} (the cache keeps as many key/value heads as query heads: for "
+                    "grouped-query attention, repeat k and v per query head)"
+                )
+            if t.dtype != self.dtype or t.device != self.device:
+                raise ValueError(
+                    f"{name} must be {self.dtype} on {self.device} like the cache, got {t.dtype} on {t.device}"
+                )
+        if k.shape != q.shape or v.shape != q.shape:
+            raise ValueError(f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        if max_chunk is not None and q.shape[1] > max_chunk:
+            raise ValueError(
+                f"q, k, v must hold 1 to max_chunk={max_chunk} positions, got {q.shape[1]}: feed longer "
+                "chunks in parts, or make the cache with a larger max_chunk"
+            )
+
+    def _kept_sequences(self, indices) -> list[int]:
+        """The sequences ``reorder(indices)`` keeps, as a list; a ``ValueError`` unless
+        ``indices`` is a 1-D integer tensor of at least one sequence index."""
+        integer = isinstance(indices, torch.Tensor) and indices.dtype in (torch.int32, torch.int64)
+        if not integer or indices.dim() != 1:
+            raise ValueError(f"indices must be a 1-D int64 (or int32) tensor of sequence indices, got {indices!r}")
+        rows = indices.tolist()
+        if not rows or not 0 <= min(rows) <= max(rows) < self.shape[0]:
+            raise ValueError(f"indices must be at least one sequence index in [0, {self.shape[0]}), got {rows}")
+        return rows
+
     @functools.cached_property
     def _ring_branches(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The branches as the fused launches take them: segment lengths ``(G,)``, rates
@@ -299,12 +354,7 @@ class DilatedKVCache(CacheSettings):
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep the sequences ``indices`` (``(B',)`` ints, repeats allowed), in that order,
         as beam search does after picking its beams."""
-        integer = isinstance(indices, torch.Tensor) and indices.dtype in (torch.int32, torch.int64)
-        if not integer or indices.dim() != 1:
-            raise ValueError(f"indices must be a 1-D int64 (or int32) tensor of sequence indices, got {indices!r}")
-        rows = indices.tolist()
-        if not rows or not 0 <= min(rows) <= max(rows) < self.shape[0]:
-            raise ValueError(f"indices must be at least one sequence index in [0, {self.shape[0]}), got {rows}")
+        rows = self._kept_sequences(indices)
         sources = [self._row_of[sequence] for sequence in rows]  # the row each kept sequence comes from
         order = self._set_order([self._position[source] for source in sources])
         sources = [sources[kept] for kept in order]
@@ -391,43 +441,6 @@ class DilatedKVCache(CacheSettings):
             min(w - position % w for w in self.segment_lengths) if position >= 0 else 1 for position in self._position
         )
 
-    def _well_formed(self, q, k, v) -> bool:
-        """Whether ``q, k, v`` are what :meth:`attend` takes (the common case, checked
-        quickly; :meth:`_check_inputs` says what is wrong otherwise)."""
-        if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-            return False
-        shape = q.shape
-        return (
-            len(shape) == 4
-            and k.shape == shape
-            and v.shape == shape
-            and shape[1] >= 1
-            and (shape[0], shape[2], shape[3]) == self.shape
-            and q.dtype == k.dtype == v.dtype == self.dtype
-            and q.device == k.device == v.device == self.device
-        )
-
-    def _check_inputs(self, q, k, v) -> None:
-        """A ``TypeError`` or ``ValueError`` saying what is wrong with ``q, k, v``."""
-        batch, heads, dim = self.shape
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(t)}")
-            if t.dim() == 4:
-                check_batch(batch, t.shape[0], name)
-            if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (batch, heads, dim) or t.shape[1] < 1:
-                raise ValueError(
-                    f"{name} must have shape (batch={batch}, L >= 1, heads={heads}, head_dim={dim}), "
-                    f"got {tuple(t.shape)} (the cache keeps as many key/value heads as query heads: for "
-                    "grouped-query attention, repeat k and v per query head)"
-                )
-            if t.dtype != self.dtype or t.device != self.device:
-                raise ValueError(
-                    f"{name} must be {self.dtype} on {self.device} like the cache, got {t.dtype} on {t.device}"
-                )
-        if k.shape != q.shape or v.shape != q.shape:
-            raise ValueError(f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-
     def _step_path(self, q, k, v) -> str | None:
         """How this call runs when it takes a few rows, nothing to differentiate and no
         NaN or infinity anywhere: ``"triton"``, the fused launches over the window of
@@ -504,13 +517,18 @@ class DilatedKVCache(CacheSettings):
         """The output ``(B, L, H, D)`` of ``q`` once ``k, v`` are in the buffers from slot
         ``first_slot`` on (the positions are not yet advanced)."""
         length = q.shape[1]
+        differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if differentiable and max(self._position) + length <= 0:
+            # Every query is padding: zeros, with a graph whose gradients are zeros (as
+            # dilated_attention gives rows that attend to nothing), whatever q, k, v hold.
+            return torch.where(torch.zeros((), dtype=torch.bool, device=self.device), q + k + v, 0.0)
         groups: dict[int, list[int]] = {}
         for row, position in enumerate(self._position):
             groups.setdefault(position, []).append(row)
         keys = self._k[:, :, : first_slot + length].transpose(1, 2)
         values = self._v[:, :, : first_slot + length].transpose(1, 2)
         flags = None if self._bad is None else self._bad[:, : first_slot + length]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        if differentiable:
             # Autograd keeps the keys and their flags for the backward: copies, as the
             # buffers change in place, the keys with the new rows' graph.
             keys, values = torch.cat([keys[:, :first_slot], k], 1), torch.cat([values[:, :first_slot], v], 1)

@@ -124,14 +124,7 @@ class StaticKVCache(CacheSettings):
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep the sequences ``indices`` (``(B',)`` ints, repeats allowed), in that order.
         The cache's tensors are replaced: capture a CUDA graph again after a reorder."""
-        integer = isinstance(indices, torch.Tensor) and indices.dtype in (torch.int32, torch.int64)
-        if (
-            not integer
-            or indices.dim() != 1
-            or not len(indices)
-            or not 0 <= int(indices.min()) <= int(indices.max()) < self.shape[0]
-        ):
-            raise ValueError(f"indices must be a 1-D integer tensor of sequence indices in [0, {self.shape[0]})")
+        self._kept_sequences(indices)  # a ValueError unless they are sequence indices
         index = indices.to(self.device)
         for name in ("_k", "_v", "_key_positions", "_bad", "_next"):
             setattr(self, name, getattr(self, name).index_select(0, index))
@@ -140,15 +133,9 @@ class StaticKVCache(CacheSettings):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The causal dilated attention output ``(B, L, H, D)`` of the next ``L <=
         max_chunk`` positions of every sequence, given their ``q, k, v`` ``(B, L, H, D)``."""
+        if not self._well_formed(q, k, v) or q.shape[1] > self.max_chunk:
+            self._check_inputs(q, k, v, self.max_chunk)  # raises, saying what is wrong
         batch, heads, dim = self.shape
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != self.shape:
-                raise ValueError(f"{name} must be a tensor of shape (batch={batch}, L, heads={heads}, head_dim={dim})")
-            if not 1 <= t.shape[1] <= self.max_chunk or t.dtype != self.dtype or t.device != self.device:
-                raise ValueError(
-                    f"{name} must hold 1 to max_chunk={self.max_chunk} positions, {self.dtype} on "
-                    f"{self.device}, got {t.shape[1]}, {t.dtype} on {t.device}"
-                )
         length = q.shape[1]
         if self._takes_kernel(q):
             return self._attend_fused(q, k, v)
