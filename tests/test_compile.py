@@ -67,6 +67,25 @@ def test_multihead_module_compiles_fullgraph_in_training_with_dropout():
     assert max_relative_error(grads, expected_grads) <= 1e-12
 
 
+def test_inductor_draws_eagers_dropout_masks_with_fallback_random():
+    """inductor lowers the draw of the dropout seed to its own random stream; with
+    torch._inductor.config.fallback_random (as the docs say) a seed gives eager's masks."""
+    torch._dynamo.reset()
+
+    def dropped(q, k, v):
+        return dilated_attention(q, k, v, SEGS, RATES, is_causal=True, dropout_p=0.3)
+
+    (q, k, v), _, _ = random_inputs(7, 1, 20, 2, 4)
+    compiled = torch.compile(dropped, backend="inductor", fullgraph=True)
+    torch.manual_seed(5)
+    with torch._inductor.config.patch(fallback_random=True):
+        out = compiled(q, k, v)
+    torch.manual_seed(5)
+    expected = dropped(q, k, v)
+    assert max_relative_error(expected, attention(q, k, v, None)) > 0.05  # dropout did act
+    assert max_relative_error(out, expected) <= 1e-12
+
+
 def test_compiled_function_follows_changing_sequence_lengths():
     """After the first length torch.compile would trace sizes symbolically; the library
     specialises on them instead (the plan depends on them), so each length compiles
@@ -75,6 +94,22 @@ def test_compiled_function_follows_changing_sequence_lengths():
     compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
     for length in (40, 47, 64):
         check_against_eager(compiled, length)
+
+
+def test_a_compiled_function_follows_changing_branches():
+    """Branches given anew at each call (a function shared by layers of different
+    configurations): torch.compile would trace a segment length that changed as a
+    symbol; the library specialises on them, so each configuration compiles once."""
+    torch._dynamo.reset()
+
+    def branches(q, k, v, segment_lengths, dilation_rates):
+        return dilated_attention(q, k, v, segment_lengths, dilation_rates, is_causal=True)
+
+    compiled = torch.compile(branches, backend="aot_eager", fullgraph=True)
+    (q, k, v), _, _ = random_inputs(6, 1, 33, 2, 4)
+    for segs, rates in (([8, 16], [1, 2]), ([4, 16], [1, 2]), ([3, 5, 7], [1, 3, 2])):
+        expected = branches(q, k, v, segs, rates)
+        assert max_relative_error(compiled(q, k, v, segs, rates), expected) <= 1e-12
 
 
 def test_compiled_key_window_follows_changing_key_offsets():

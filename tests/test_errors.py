@@ -101,11 +101,17 @@ q0, k0, v0 = qkv()
         (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
         (dict(softmax_scale="1"), TypeError, "softmax_scale must be a float"),
         (dict(is_causal=1), TypeError, "is_causal must be a bool"),
+        (dict(dropout_p=0.5, kernel="cuda"), ValueError, "kernel must be one of ('auto', 'triton', 'torch')"),
+        (dict(dropout_p=0.5, kernel=3), TypeError, "kernel must be one of ('auto', 'triton', 'torch') (a str)"),
+        (dict(dropout_p=0.5, kernel="triton"), ValueError, "kernel='triton' cannot run this call: dropout is not"),
     ],
 )
 def test_bad_input(overrides, exc, fragment):
+    """Refused before any side effect: the random state (a dropout seed's draw) included."""
+    before = torch.get_rng_state()
     with pytest.raises(exc, match=re.escape(fragment)):
         call(**overrides)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_device_mismatch_is_reported():

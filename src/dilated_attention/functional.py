@@ -121,7 +121,9 @@ def dilated_attention(
             head_offsets,
             key_offset,
         )
-        return call, validation.check_dropout(dropout_p), validation.check_flag(return_lse, "return_lse")
+        dropout = validation.check_dropout(dropout_p)
+        fused.use_triton(call.q, dropout, process_group is not None, kernel)  # a bad kernel choice raises here
+        return call, dropout, validation.check_flag(return_lse, "return_lse")
 
     exchange = None
     if process_group is None:

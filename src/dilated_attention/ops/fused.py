@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from .validation import type_name
+
 KERNEL_ENV = "DILATED_ATTENTION_KERNEL"
 CHOICES = ("auto", "triton", "torch")
 # Head dims the Triton kernels take (a tile's head dim is a power of two >= 16).
@@ -41,6 +43,8 @@ def requested(kernel: str | None) -> str:
     source = "kernel"
     if kernel is None:
         kernel, source = os.environ.get(KERNEL_ENV) or "auto", KERNEL_ENV
+    if not isinstance(kernel, str):
+        raise TypeError(f"{source} must be one of {CHOICES} (a str), got {type_name(kernel)}")
     if kernel not in CHOICES:
         raise ValueError(
             f"{source} must be one of {CHOICES} ('auto': Triton where it applies, 'triton': the fused "

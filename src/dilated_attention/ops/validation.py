@@ -73,7 +73,9 @@ def _check_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], t
                 raise TypeError(f"{name} must contain ints, got {value!r} ({type_name(value)})")
             if value < 1:
                 raise ValueError(f"{name} must contain values >= 1, got {value}")
-        lists[name] = tuple(int(value) for value in values)
+        # operator.index: plain ints, which torch.compile specialises on (it would trace
+        # a length that changed between calls as a symbol the planner cannot take)
+        lists[name] = tuple(operator.index(value) for value in values)
     if len(lists["segment_lengths"]) != len(lists["dilation_rates"]):
         raise ValueError(
             f"segment_lengths ({counted(len(segment_lengths), 'value')}) and dilation_rates "
