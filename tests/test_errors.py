@@ -1,6 +1,7 @@
 """Every bad input raises ValueError/TypeError naming the argument and the fix; odd
 but valid input (huge ints, NumPy bools) works."""
 
+import math
 import re
 import time
 
@@ -9,6 +10,7 @@ import torch
 
 from dilated_attention import (
     DilatedAttention,
+    GridAttention,
     MultiheadDilatedAttention,
     dilated_attention,
     reference_dilated_attention,
@@ -137,6 +139,39 @@ def test_module_errors():
         mha(torch.randn(2, 8, 16))
     with pytest.raises(ValueError, match=re.escape("key must have the shape of query (2, 8, 32), got (2, 9, 32)")):
         mha(x, torch.randn(2, 9, 32))
+    with pytest.raises(ValueError, match=re.escape("query must be torch.float32 on cpu like the module's parameters")):
+        mha(x.double())
+    with pytest.raises(TypeError, match="need_weights must be a bool"):
+        mha(x, need_weights=None)
+
+
+@pytest.mark.parametrize(
+    ("option", "exc", "fragment"),
+    [
+        (dict(layer_norm_eps=-1.0), ValueError, "layer_norm_eps must be a finite number > 0"),
+        (dict(layer_norm_eps="a"), TypeError, "layer_norm_eps must be a number"),
+        (dict(gamma_init=math.inf), ValueError, "gamma_init must be a finite number > 0"),
+        (dict(gamma_init=-1.0), ValueError, "gamma_init must be a finite number > 0"),
+        (dict(gamma_init="a"), TypeError, "gamma_init must be a number"),
+        (dict(bias=1), TypeError, "bias must be a bool"),
+        (dict(sub_layernorm=None), TypeError, "sub_layernorm must be a bool"),
+        (dict(dtype=torch.int64), ValueError, "dtype must be float64, float32, bfloat16 or float16"),
+    ],
+)
+def test_multihead_options_are_checked_when_built(option, exc, fragment):
+    """Values the layers would take silently (a NaN output, inf weights) or fail on
+    later with errors that name no argument are refused when the module is built."""
+    with pytest.raises(exc, match=re.escape(fragment)):
+        MultiheadDilatedAttention(8, 2, [4], [1], **option)
+
+
+def test_grid_attention_names_the_mask_when_the_mask_is_wrong():
+    grid = GridAttention(MultiheadDilatedAttention(8, 2, [4], [1]), "hilbert", extra_tokens=1)
+    x = torch.randn(2, 7, 8)
+    with pytest.raises(ValueError, match=re.escape("key_padding_mask must have extra_tokens + height * width")):
+        grid(x, (2, 3), key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match=re.escape("x must have extra_tokens + height * width")):
+        grid(x[:, :6], (2, 3), key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))
 
 
 def test_process_group_without_torch_distributed_initialized():

@@ -180,7 +180,13 @@ class MultiheadDilatedAttention(nn.Module):
         if mode == "head_groups":
             validation.check_head_groups(num_heads, len(self.attention.segment_lengths))
         self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
-        self.gamma_init = float(gamma_init)
+        self.gamma_init = validation.check_number(
+            gamma_init, "gamma_init", 0.0, low_open=True, meaning=" (the gain of the value and output projections)"
+        )
+        bias, sub_layernorm = validation.check_flag(bias, "bias"), validation.check_flag(sub_layernorm, "sub_layernorm")
+        layer_norm_eps = validation.check_number(layer_norm_eps, "layer_norm_eps", 0.0, low_open=True)
+        if dtype is not None and dtype not in validation.FLOAT_DTYPES.values():
+            raise ValueError(f"dtype must be float64, float32, bfloat16 or float16 (or None), got {dtype}")
         if rotary is not None and not callable(rotary):
             raise TypeError(f"rotary must be a callable rotary(x, positions), got {validation.type_name(rotary)}")
         self.rotary = rotary
@@ -264,7 +270,6 @@ class MultiheadDilatedAttention(nn.Module):
             attention.head_offsets,
             validation.check_scale(attention.softmax_scale, head_dim),
         )
-        # TEMPORARY: cache.configure sets these attributes, which the caches do not declare yet.
         theirs = (
             cache.shape[1],
             cache.shape[2],
@@ -279,6 +284,18 @@ class MultiheadDilatedAttention(nn.Module):
                 f"the cache was built for (heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets, "
                 f"softmax_scale) = {theirs}, this module has {mine}: make it with this module's new_cache"
             )
+
+    def _check_like_parameters(self, *inputs: torch.Tensor) -> None:
+        """A ``ValueError`` unless ``query, key, value`` are on the parameters' device and,
+        outside ``torch.autocast``, of their dtype (the projections' own error names neither)."""
+        weight = self.q_proj.weight
+        autocast = torch.is_autocast_enabled(weight.device.type)
+        for name, t in zip(("query", "key", "value"), inputs, strict=True):
+            if t.device != weight.device or (not autocast and t.dtype != weight.dtype):
+                raise ValueError(
+                    f"{name} must be {weight.dtype} on {weight.device} like the module's parameters, got {t.dtype} "
+                    f"on {t.device}: move the input (or the module, with .to()), or run under torch.autocast"
+                )
 
     def forward(
         self,
@@ -312,7 +329,7 @@ class MultiheadDilatedAttention(nn.Module):
         (needs ``is_causal=True``, no mask, no dropout): the rows are the next ``N``
         positions of its sequences; their keys and values are appended to it.
         """
-        if need_weights:
+        if validation.check_flag(need_weights, "need_weights"):
             raise ValueError(
                 "need_weights=True is not supported: dilated attention never forms the "
                 "(N, N) weight matrix; pass need_weights=False (use "
@@ -335,6 +352,7 @@ class MultiheadDilatedAttention(nn.Module):
                     f"{name} must have the shape of query {tuple(query.shape)}, got {tuple(t.shape)}: "
                     "MultiheadDilatedAttention is self-attention over one sequence"
                 )
+        self._check_like_parameters(query, key, value)
         if not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         mask = key_padding_mask
@@ -410,6 +428,9 @@ class GridAttention(nn.Module):
             raise ValueError(f"grid must be (height, width) in patches, got {grid!r}")
         order = grid_order(self.order, *grid)
         dim = 1 if getattr(self.attention, "batch_first", True) else 0
-        mask = None if key_padding_mask is None else apply(key_padding_mask, order, self.extra_tokens)
-        out, *rest = self.attention(apply(x, order, self.extra_tokens, dim), key_padding_mask=mask, **kwargs)
+        x = apply(x, order, self.extra_tokens, dim)
+        mask = None
+        if key_padding_mask is not None:  # (B, N) in either layout
+            mask = apply(key_padding_mask, order, self.extra_tokens, name="key_padding_mask")
+        out, *rest = self.attention(x, key_padding_mask=mask, **kwargs)
         return (invert(out, order, self.extra_tokens, dim), *rest)

@@ -90,23 +90,27 @@ def _describe(value) -> str:
     return validation.type_name(value)
 
 
-def _check_sequence(x, order: torch.Tensor, extra_tokens: int, dim: int) -> torch.Tensor:
-    """Check ``x`` and ``order`` (see :func:`apply`); return ``order``'s inverse."""
+def _check_sequence(x, order: torch.Tensor, extra_tokens: int, dim: int, name: str = "x") -> torch.Tensor:
+    """Check ``x`` (called ``name`` in messages) and ``order`` (see :func:`apply`);
+    return ``order``'s inverse."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {validation.type_name(x)}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(x)}")
     inverse = _check_order(order)
     if x.dim() <= dim or x.shape[dim] != extra_tokens + order.numel():
         raise ValueError(
-            f"x must have extra_tokens + height * width = {extra_tokens} + {order.numel()} tokens along dim {dim}, "
-            f"got shape {tuple(x.shape)}"
+            f"{name} must have extra_tokens + height * width = {extra_tokens} + {order.numel()} tokens along dim "
+            f"{dim}, got shape {tuple(x.shape)}"
         )
     return inverse
 
 
-def apply(x: torch.Tensor, order: torch.Tensor, extra_tokens: int = 0, dim: int = 1) -> torch.Tensor:
+def apply(
+    x: torch.Tensor, order: torch.Tensor, extra_tokens: int = 0, dim: int = 1, *, name: str = "x"
+) -> torch.Tensor:
     """``x`` ``(B, extra_tokens + H*W, ...)`` with its patches in row-major order ->
-    the same tokens in ``order`` (the extra tokens stay first): a copy."""
-    _check_sequence(x, order, extra_tokens, dim)
+    the same tokens in ``order`` (the extra tokens stay first): a copy. ``name``: what
+    messages call ``x``."""
+    _check_sequence(x, order, extra_tokens, dim, name)
     return x.index_select(dim, _index(order, extra_tokens, x.device))
 
 
