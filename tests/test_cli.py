@@ -10,6 +10,7 @@ import torch
 
 import dilated_attention
 import dilated_attention.tools.check as check
+import dilated_attention.tools.cli as cli
 import dilated_attention.tools.pattern as pattern
 from dilated_attention.tools.cli import main
 from helpers import option_help
@@ -157,6 +158,8 @@ def test_every_option_says_what_it_does_and_its_default(command, capsys, monkeyp
         (["bench", "--heads", "0"], "argument --heads: must be >= 1, got 0"),
         (["bench", "--seq-lens", "4096", "0"], "argument --seq-lens: must be >= 1, got 0"),
         (["bench", "--max-seconds", "-1"], "argument --max-seconds: must be a number > 0"),
+        (["bench", "--threads", "100000"], "argument --threads: must be at most"),
+        (["decode-bench", "--threads", "100000"], "argument --threads: must be at most"),
         (
             ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "-5", "--heads", "2"],
             "argument --length: must be >= 1, got -5",
@@ -238,3 +241,67 @@ def test_pattern_refuses_a_picture_too_large_to_draw(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "p.png")]) == 2
     assert "too large to draw" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+
+
+PATTERN = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "8", "--heads", "1"]
+SMALL_BENCH = ["--segment-lengths", "8", "--dilation-rates", "1", "--no-plot"]
+
+
+def _refused(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    return err
+
+
+def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    monkeypatch.chdir(tmp_path)
+    assert "--out . is a folder: name a file" in _refused([*PATTERN, "--out", "."], capsys)
+    assert f"--out file.txt/p.png: {a_file} is not a folder" in _refused([*PATTERN, "--out", "file.txt/p.png"], capsys)
+    assert "--out must name a file, got ''" in _refused([*PATTERN, "--out", ""], capsys)
+    assert sorted(os.listdir(tmp_path)) == ["file.txt"]
+    assert not [name for name in os.listdir(tmp_path.parent) if name.endswith(".tmp")]  # --out "": none beside
+    monkeypatch.setattr(cli.benchmark, "run", None)  # never reached
+    assert "--out-dir file.txt: " in _refused(["bench", *SMALL_BENCH, "--out-dir", "file.txt"], capsys)
+    assert "--name must be a file name without a folder, got 'a/b'" in _refused(
+        ["bench", *SMALL_BENCH, "--name", "a/b"], capsys
+    )
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(tmp_path) and writable(path, mode))
+    assert "cannot be written into" in _refused(["bench", *SMALL_BENCH, "--out-dir", "new/results"], capsys)
+    assert "cannot be written into" in _refused([*PATTERN, "--out", "p.png"], capsys)
+    assert sorted(os.listdir(tmp_path)) == ["file.txt"]
+
+
+def test_sizes_beyond_the_memory_are_refused_before_measuring(capsys, monkeypatch):
+    from dilated_attention.tools import decode_benchmark
+
+    monkeypatch.setattr(cli.benchmark, "run", None)  # never reached
+    monkeypatch.setattr(decode_benchmark, "run", None)
+    assert "at --seq-lens 4611686018427387904 take" in _refused(
+        ["bench", *SMALL_BENCH, "--seq-lens", str(2**62)], capsys
+    )
+    assert "the dilated caches of --batch 100000000000 sequences take" in _refused(
+        ["decode-bench", *SMALL_BENCH, "--batch", str(10**11)], capsys
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "expected"),
+    [
+        (MemoryError(), 2, "error: out of memory (MemoryError): use smaller sizes"),
+        (RuntimeError("std::bad_alloc"), 2, "error: out of memory (std::bad_alloc)"),
+        (PermissionError(13, "Permission denied", "/results/p.png"), 1, "error: /results/p.png: Permission denied"),
+        (BrokenPipeError(32, "Broken pipe"), 141, ""),
+    ],
+)
+def test_failures_of_the_machine_are_one_line_errors(error, code, expected, capsys, monkeypatch):
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr(cli, "_cmd_check", fail)
+    assert main(["check"]) == code
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(expected) and len(err.splitlines()) <= 1 and (expected or not err)

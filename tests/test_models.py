@@ -211,6 +211,9 @@ def test_config_round_trips_through_json_and_presets_match_the_paper():
         (dict(mode="head_groups", heads=2), "head"),
         (dict(positions="alibi"), "positions must be one of"),
         (dict(depth=0), "depth must be >= 1"),
+        (dict(dim=2**31, heads=2**30), "dim x dim = 2147483648 x 2147483648 is a weight matrix"),
+        (dict(ffn_dim=2**62), "use a smaller ffn_dim"),
+        (dict(vocab_size=2**62), "use a smaller vocab_size"),
     ],
 )
 def test_bad_configs_are_refused(changes, fragment):

@@ -201,3 +201,32 @@ def test_evaluate_and_train_refuse_bad_task_options(tmp_path, capsys):
     assert "--task-fraction needs --task" in capsys.readouterr().err
     assert main(["evaluate", "--run", str(tmp_path / "none"), "--task", "passkey", "--max-distance", "5"]) != 0
     assert "--max-distance must be at least 14" in capsys.readouterr().err
+
+
+def test_distances_never_exceed_the_longest_asked_for():
+    assert retrieval.distances("passkey", 14) == [14]  # no power of two in [14, 14]: 14 itself
+    assert retrieval.distances("passkey", 15) == [15]
+    assert retrieval.distances("passkey", 16) == [16]
+    assert retrieval.distances("recall", 100) == [16, 32, 64]
+
+
+def test_evaluate_by_default_works_for_a_context_shorter_than_an_example(tmp_path, capsys):
+    from dilated_attention.models import LongNetConfig
+    from dilated_attention.training import train
+
+    run, text = str(tmp_path / "run"), tmp_path / "text.py"
+    text.write_text("def f(x):\n    return x + 1\n" * 400)
+    config = LongNetConfig(dim=32, depth=1, heads=2, ffn_dim=64, segment_lengths=(8, 16), dilation_rates=(1, 2))
+    settings = TrainSettings(context=16, batch_size=2, steps=1, eval_windows=2, data=str(text))
+    train(run, settings, config, progress=False)
+    assert main(["evaluate", "--run", run, "--task", "passkey", "--examples", "2"]) == 0
+    with open(os.path.join(run, "retrieval-passkey.json")) as f:
+        scores = json.load(f)["scores"]
+    assert [(s["distance"], s["length"]) for s in scores] == [(14, 28)]  # the shortest, beyond the context
+
+
+def test_evaluate_refuses_an_output_that_is_a_file_before_any_work(tmp_path, capsys):
+    a_file = tmp_path / "results"
+    a_file.write_text("x")
+    assert main(["evaluate", "--run", str(tmp_path / "none"), "--task", "recall", "--out", str(a_file)]) == 2
+    assert f"--out {a_file}: {a_file} is not a folder" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """`dilated-attention train` / `generate`: learning, exact resume, processes, bad input."""
 
+import dataclasses
 import json
 import math
 import os
@@ -8,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -709,3 +711,108 @@ def test_settings_and_configs_hold_python_numbers_and_sampling_is_checked():
     ]:
         with pytest.raises(ValueError, match=fragment):
             sample_next(logits, **kwargs)
+
+
+def test_linking_over_a_second_name_of_the_same_file_leaves_no_temporary(tmp_path):
+    """A kill between the link to checkpoint.previous.pt and the next write leaves both
+    names on one file; rename then does nothing, and its temporary must not stay."""
+    from dilated_attention.utils.files import link_atomically
+
+    latest, previous = tmp_path / "checkpoint.pt", tmp_path / "checkpoint.previous.pt"
+    latest.write_bytes(b"state")
+    os.link(latest, previous)
+    link_atomically(str(latest), str(previous))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.previous.pt", "checkpoint.pt"]
+    assert previous.read_bytes() == b"state"
+
+
+def test_the_api_resumes_a_run_whose_data_path_is_relative(tmp_path, text_file, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    relative = os.path.relpath(text_file)
+    first = settings(relative, steps=2)
+    train("runs/demo", first, CONFIG, progress=False)
+    assert train("runs/demo", dataclasses.replace(first, steps=3), resume=True, progress=False)["step"] == 3
+    assert main(["train", "--resume", "runs/demo", "--data", relative, "--steps", "4", "--no-progress"]) == 0
+
+
+def test_settings_and_model_config_of_the_wrong_type_are_type_errors(tmp_path, text_file):
+    run = tmp_path / "run"
+    with pytest.raises(TypeError, match=re.escape("settings must be a TrainSettings or None, got dict")):
+        train(str(run), {"steps": 3}, CONFIG, progress=False)
+    with pytest.raises(TypeError, match=re.escape("model_config must be a LongNetConfig or None, got dict")):
+        train(str(run), settings(text_file), {"dim": 3}, progress=False)
+    assert not run.exists()
+
+
+def test_a_model_too_large_for_the_memory_is_refused_before_the_run_folder(tmp_path, text_file, capsys, monkeypatch):
+    huge = CONFIG.replace(dim=2**62, ffn_dim=2**62)
+    with pytest.raises(ValueError, match="GiB of memory of the cpu device: use a smaller dim"):
+        train(str(tmp_path / "run"), settings(text_file), huge, device="cpu", progress=False)
+    assert not (tmp_path / "run").exists()
+    config = tmp_path / "model.json"
+    config.write_text(huge.to_json())
+    monkeypatch.chdir(tmp_path)  # the default run folder would go into runs/ here
+    message = _error(["train", "--config", str(config), "--data", text_file, "--device", "cpu"], capsys)
+    assert "the model's parameters (at least" in message and "Traceback" not in message
+    assert not (tmp_path / "runs").exists()
+
+
+def test_evaluation_windows_are_at_most_those_the_validation_split_holds(tmp_path, text_file, capsys):
+    from dilated_attention.training.data import evaluation_starts
+
+    data = torch.arange(100, dtype=torch.uint8)
+    assert evaluation_starts(data, 16, 10**12).tolist() == list(range(84))  # every window once, no huge list
+    run, short = str(tmp_path / "run"), tmp_path / "short.txt"
+    short.write_text(pathlib.Path(text_file).read_text()[:4_000])  # 200 bytes of validation text
+    assert train(run, settings(str(short), steps=1, eval_windows=10**8, context=180), CONFIG, progress=False)
+    assert "holds 20 windows of context + 1 = 181 bytes: each evaluation uses those 20" in capsys.readouterr().err
+    assert math.isfinite(read_log(run)[-1]["val_bpb"])
+
+
+def test_only_regular_files_of_a_data_folder_are_read(tmp_path, text_file):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "text.txt").write_text(pathlib.Path(text_file).read_text())
+    os.symlink(folder / "text.txt", folder / "link.txt")  # a link to a regular file is read
+    pipe = folder / "pipe"
+    os.mkfifo(pipe)  # reading it waits for a writer, forever without one
+    writer = threading.Thread(target=lambda: open(pipe, "wb").close(), daemon=True)
+    writer.start()  # should the pipe be read after all, it ends empty: a failure, not a hang
+    assert load_corpus(str(folder)).files == 2
+    with pytest.raises(ValueError, match="pipe is not a regular file or a folder"):
+        load_corpus(str(pipe))
+    os.close(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK))  # lets the writer's open return
+    writer.join(timeout=10)
+
+
+def test_a_closed_output_pipe_ends_generate_quietly(tmp_path, text_file):
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=1), CONFIG, progress=False)
+    command = [sys.executable, "-m", "dilated_attention", "generate", "--run", run, "--prompt", "x"]
+    process = subprocess.Popen(
+        [*command, "--max-new-tokens", "100000", "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    process.stdout.read(20)  # as `| head -c 20` does, then it exits
+    process.stdout.close()
+    assert process.wait(timeout=TIMEOUT_S) == 141
+    err = process.stderr.read().decode()
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err
+
+
+def test_suggested_commands_are_quoted_for_the_shell_and_config_errors_name_the_file(tmp_path, text_file, capsys):
+    from dilated_attention.models.generate import generate
+
+    run = str(tmp_path / "sp ace" / "m r")
+    assert main(["train", "--out", run, "--data", text_file, "--minutes", "1e-9", "--no-progress"]) == 0
+    assert f"continue with: dilated-attention train --resume '{run}'" in capsys.readouterr().out
+    assert f"continue it with --resume '{run}'" in _error(["train", "--out", run, "--data", text_file], capsys)
+    config = tmp_path / "model.json"
+    for text, fragment in ((b"\xff\xfe", "is not UTF-8 text"), (b"{dim: 3", "a LongNetConfig must be a JSON object")):
+        config.write_bytes(text)
+        message = _error(["train", "--out", str(tmp_path / "new"), "--config", str(config)], capsys)
+        assert f"--config {config}" in message and fragment in message
+    with pytest.raises(ValueError, match=r"prompt must be .* batch >= 1"):
+        generate(load_model(run), torch.zeros(0, 5, dtype=torch.long), 3)

@@ -11,6 +11,8 @@ from typing import Any
 from ..ops import validation
 
 POSITIONS = ("rotary", "none")
+# Elements a weight matrix may have: its bytes (8 each at most) must fit int64.
+MAX_MATRIX_ELEMENTS = 2**60
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,12 @@ class LongNetConfig:
         object.__setattr__(self, "tie_embeddings", validation.check_flag(self.tie_embeddings, "tie_embeddings"))
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by heads ({self.heads})")
+        for name, rows in (("vocab_size", self.vocab_size), ("dim", self.dim), ("ffn_dim", self.ffn_dim)):
+            if rows * self.dim >= MAX_MATRIX_ELEMENTS:
+                raise ValueError(
+                    f"{name} x dim = {rows} x {self.dim} is a weight matrix of {rows * self.dim:.3g} elements, "
+                    f"beyond what a tensor holds (2**60): use a smaller {name}"
+                )
         if self.mode == "head_groups":
             validation.check_head_groups(self.heads, len(segs))
         if self.positions not in POSITIONS:

@@ -74,9 +74,9 @@ def stream(
     if not isinstance(prompt, torch.Tensor):
         raise TypeError(f"prompt must be a tensor of token ids, got {validation.type_name(prompt)}")
     tokens = prompt.unsqueeze(0) if prompt.dim() == 1 else prompt
-    if tokens.dim() != 2 or tokens.shape[1] < 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+    if tokens.dim() != 2 or 0 in tokens.shape or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
         raise ValueError(
-            f"prompt must be integer token ids of shape (P,) or (batch, P) with P >= 1, got "
+            f"prompt must be integer token ids of shape (P,) or (batch, P) with batch >= 1 and P >= 1, got "
             f"{prompt.dtype} of shape {tuple(prompt.shape)}"
         )
     device = next(model.parameters()).device

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import math
+import os
 import sys
 
 import torch
@@ -98,6 +99,16 @@ def seed(text: str) -> int:
     value = number(int, 0)(text)
     if value >= SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"must be below 2**63, got {text}")
+    return value
+
+
+def threads(text: str) -> int:
+    """An argparse type: a number of CPU threads, from 1 to the CPUs ``os.cpu_count()``
+    reports (torch.set_num_threads crashes on far more)."""
+    value = positive_int(text)
+    most = os.cpu_count() or 1
+    if value > most:
+        raise argparse.ArgumentTypeError(f"must be at most {most}, the CPUs of this machine, got {text}")
     return value
 
 

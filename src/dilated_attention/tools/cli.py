@@ -16,9 +16,19 @@ from ..ops import fused, validation
 from ..ops.plan import MODES
 from ..training.commands import add_evaluate, add_generate, add_train
 from ..utils.extras import MissingExtra, require
-from ..utils.files import fresh_folder, write_results
+from ..utils.files import check_output_file, check_output_folder, fresh_folder, write_results
+from ..utils.memory import check_fits
 from . import benchmark
-from .arguments import Parser, device_type, number, positive_float, positive_int, positive_ints, seed
+from .arguments import (
+    Parser,
+    device_type,
+    number,
+    positive_float,
+    positive_int,
+    positive_ints,
+    seed,
+    threads,
+)
 
 DTYPES = validation.FLOAT_DTYPES
 
@@ -46,6 +56,7 @@ def _cmd_check(args) -> int:
 
 def _cmd_pattern(args) -> int:
     require("plot", "pattern")
+    check_output_file(args.out, "--out")
     segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)
     if args.grid:
         return _grid_pattern(args, segs, rates)
@@ -109,19 +120,38 @@ def _grid_pattern(args, segs, rates) -> int:
 
 
 def _bench_setup(args) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Check the device and the plot's extra, set the threads; the branches of a
-    benchmark command."""
+    """Check the device, the plot's extra and where the results go, set the threads;
+    the branches of a benchmark command."""
     device_type(args.device)
     if not args.no_plot:
         require("plot", "the plot of the results (or pass --no-plot)")
+    _check_destination(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     return validation.check_branches(args.segment_lengths, args.dilation_rates)
 
 
+def _check_destination(args) -> None:
+    """``--out-dir`` (by default the current directory, where a new folder goes) and
+    ``--name``: where a benchmark's results can be written, before it measures."""
+    check_output_folder("." if args.out_dir is None else args.out_dir, "--out-dir")
+    if args.name is not None and (os.path.basename(args.name) != args.name or args.name in ("", ".", "..")):
+        raise ValueError(
+            f"--name must be a file name without a folder, got {args.name!r}: give the folder as --out-dir"
+        )
+
+
 def _cmd_bench(args) -> int:
     segs, rates = _bench_setup(args)
     default_lens = [2**p for p in range(12, 18)] if args.device == "cpu" else [2**p for p in range(12, 21)]
+    element = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    longest = max(args.seq_lens or default_lens)
+    check_fits(
+        4 * args.batch * longest * args.heads * args.head_dim * element,
+        args.device,
+        f"q, k, v and the output at --seq-lens {longest}",
+        "use shorter --seq-lens (or a smaller --batch, --heads or --head-dim)",
+    )
     cfg = benchmark.BenchConfig(
         seq_lens=args.seq_lens or default_lens,
         segment_lengths=segs,
@@ -164,6 +194,12 @@ def _cmd_decode_bench(args) -> int:
         steps=args.steps,
         dense_steps=args.dense_steps,
         batch=args.batch,
+    )
+    check_fits(
+        args.batch * decode_benchmark.row_bytes(cfg),
+        args.device,
+        f"the dilated caches of --batch {args.batch} sequences",
+        "use a smaller --batch (or shorter --segment-lengths, fewer --heads or a smaller --head-dim)",
     )
     result = decode_benchmark.run(cfg)
     return _save_results(
@@ -364,7 +400,9 @@ def _add_run_options(bench, tensors: str, stem: str) -> None:
         "--head-dim", type=positive_int, metavar="D", default=64, help="size D of each head (default: 64)"
     )
     bench.add_argument(
-        "--threads", type=positive_int, help="CPU threads, for torch.set_num_threads (default: torch's own)"
+        "--threads",
+        type=threads,
+        help="CPU threads, for torch.set_num_threads, at most the machine's CPUs (default: torch's own)",
     )
     bench.add_argument("--no-plot", action="store_true", help="write no PNG plot (default: off)")
     bench.add_argument(
@@ -485,12 +523,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, MissingExtra) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:  # memory the sizes asked for and the machine does not have
-        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+    except (RuntimeError, MemoryError) as exc:  # memory the sizes asked for and the machine does not have
+        if not _out_of_memory(exc):
             raise
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         print(f"error: out of memory ({first}): use smaller sizes (batch, context, model)", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of the output went away (`| head`): stop quietly
+        _discard_stdout()
+        return 128 + 13  # as a process that SIGPIPE ended
+    except OSError as exc:  # a file or folder the command reads or writes
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says the memory ran out: torch's out-of-memory error, Python's
+    ``MemoryError``, or a ``RuntimeError`` from a failed allocation of the CPU's."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return any(text in str(exc) for text in ("can't allocate memory", "std::bad_alloc", "not enough memory"))
+
+
+def _discard_stdout() -> None:
+    """Point stdout at ``os.devnull``, so that the interpreter's last flush at exit
+    writes nowhere instead of failing on the broken pipe again (Python's advice for
+    SIGPIPE)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture): nothing is flushed to a pipe
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

@@ -98,6 +98,14 @@ def _tokens(cfg: DecodeConfig, batch: int, count: int, generator: torch.Generato
     ]
 
 
+def row_bytes(cfg: DecodeConfig) -> int:
+    """The most bytes one sequence of a batch takes: its dilated cache (see
+    :meth:`DilatedKVCache.max_nbytes`) and the tokens its steps take."""
+    element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    positions = 2 * 4 * max(cfg.segment_lengths) + 64  # keys and values; 64 step tokens
+    return positions * cfg.heads * cfg.head_dim * element
+
+
 def padding_of(cfg: DecodeConfig, batch: int, position: int) -> list[int]:
     """The left padding of each row of a padded batch at ``position``: spread over up
     to an eighth of the position (0 for the first row)."""

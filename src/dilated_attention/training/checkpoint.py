@@ -42,7 +42,7 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
         if _out_of_space(exc):
             raise ValueError(
                 f"no space left on the device writing the checkpoint {path}; the previous checkpoint is intact: "
-                f"free some space, then continue the run with --resume {run_dir}"
+                f"free some space, then continue the run with --resume {shlex.quote(run_dir)}"
             ) from None
         raise
     return path

@@ -6,6 +6,7 @@ import argparse
 import codecs
 import dataclasses
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -14,6 +15,7 @@ import torch
 
 from ..models import PRESETS, LongNetConfig
 from ..tools.arguments import device_type, number, seed
+from ..utils.files import check_output_folder
 from . import checkpoint, run_folder, tasks
 from .run_folder import read_log, read_run_config
 from .settings import AUTOCAST_DTYPES, TrainSettings
@@ -39,7 +41,12 @@ _SETTINGS = [
     ("--grad-clip", "grad_clip", number(float, 0, False), "clip the gradient norm to this"),
     ("--seed", "seed", seed, "seed of the initialisation, the batches and dropout, in [0, 2**63)"),
     ("--eval-interval", "eval_interval", number(int, 1), "steps between validation losses"),
-    ("--eval-windows", "eval_windows", number(int, 1), "validation sequences per evaluation"),
+    (
+        "--eval-windows",
+        "eval_windows",
+        number(int, 1),
+        "validation sequences per evaluation, at most every one the validation split holds",
+    ),
     ("--checkpoint-interval", "checkpoint_interval", number(int, 1), "steps between checkpoints"),
     (
         "--task-fraction",
@@ -123,8 +130,6 @@ def _cmd_train(args) -> int:
         if args.preset or args.config:
             raise ValueError("a resumed run keeps its model: drop --preset/--config")
         _, saved = read_run_config(args.resume)
-        if "data" in given:  # as a new run records it
-            given["data"] = os.path.abspath(given["data"])
         # A time limit is per invocation: the saved one does not carry over.
         run_dir, config, settings = args.resume, None, dataclasses.replace(saved, **{"minutes": None, **given})
     else:
@@ -187,9 +192,17 @@ def _model_config(args) -> LongNetConfig:
         return LongNetConfig.preset(args.preset or "tiny")
     try:
         with open(args.config, encoding="utf-8") as f:
-            return LongNetConfig.from_json(f.read())
+            text = f.read()
     except OSError as exc:
         raise ValueError(f"--config {args.config}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--config {args.config} is not UTF-8 text (byte {exc.start}): give a JSON file") from None
+    try:
+        return LongNetConfig.from_json(text)
+    except TypeError as exc:
+        raise TypeError(f"--config {args.config}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--config {args.config}: {exc}") from None
 
 
 def _report(summary: dict) -> None:
@@ -208,7 +221,7 @@ def _report(summary: dict) -> None:
     )
     print(f"run folder: {summary['run_dir']} (log.jsonl, loss.png, checkpoint.pt)")
     if summary["stopped"] != "done":
-        print(f"continue with: dilated-attention train --resume {summary['run_dir']}")
+        print(f"continue with: dilated-attention train --resume {shlex.quote(summary['run_dir'])}")
 
 
 def add_generate(sub, add_command) -> None:
@@ -261,8 +274,8 @@ def add_evaluate(sub, add_command) -> None:
     p.add_argument(
         "--max-distance",
         type=number(int, 1),
-        help="the longest distance; beyond the context, examples grow longer than the training "
-        "sequences (default: as far as the run's context allows)",
+        help="the longest distance, never exceeded; beyond the context, examples grow longer than the "
+        "training sequences (default: as far as the run's context allows, at least the task's shortest)",
     )
     p.add_argument("--batch-size", type=number(int, 1), default=8, help="examples per forward pass (default: 8)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the examples, in [0, 2**63) (default: 0)")
@@ -275,6 +288,8 @@ def _cmd_evaluate(args) -> int:
     from .retrieval import evaluate_run, format_table
 
     run_dir = args.run_dir or newest_run()
+    if args.out is not None:
+        check_output_folder(args.out, "--out")
     if args.max_distance is not None and args.max_distance < tasks.min_distance(args.task):
         raise ValueError(
             f"--max-distance must be at least {tasks.min_distance(args.task)} for {args.task}, got {args.max_distance}"

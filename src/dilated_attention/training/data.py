@@ -36,11 +36,14 @@ class Corpus:
 
 
 def _files_under(folder: str, suffix: str = "", skipped=frozenset()) -> list[str]:
-    """Every file under ``folder`` (hidden ones and ``skipped`` folders left out), sorted."""
+    """Every regular file under ``folder`` (or link to one), sorted; hidden ones,
+    ``skipped`` folders and anything else (a FIFO, a device: reading one could wait
+    forever) left out."""
     found = []
     for parent, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in skipped)
-        found += [os.path.join(parent, f) for f in sorted(files) if f.endswith(suffix) and not f.startswith(".")]
+        named = [os.path.join(parent, f) for f in sorted(files) if f.endswith(suffix) and not f.startswith(".")]
+        found += [path for path in named if os.path.isfile(path)]
     return found
 
 
@@ -80,9 +83,13 @@ def load_corpus(path: str | None = None) -> Corpus:
     else:
         if not os.path.exists(path):
             raise ValueError(f"--data {path}: no such file or folder")
+        if not os.path.isdir(path) and not os.path.isfile(path):
+            raise ValueError(f"--data {path} is not a regular file or a folder: give a text file or a folder of them")
         files = _files_under(path) if os.path.isdir(path) else [path]
         if not files:
-            raise ValueError(f"--data {path}: the folder holds no files (hidden files are skipped)")
+            raise ValueError(
+                f"--data {path}: the folder holds no files to read (hidden files, FIFOs and devices are skipped)"
+            )
         parts = [_read_utf8(f, strict=True) for f in files]
         source = path
     text = b"\n".join(parts)
@@ -146,10 +153,17 @@ class Batches:
         self.generator.set_state(state["generator"])
 
 
+def evaluation_count(data: torch.Tensor, context: int, count: int) -> int:
+    """How many windows of ``context + 1`` bytes :func:`evaluation_starts` takes for
+    ``count``: at most the ``len(data) - context`` different ones ``data`` holds."""
+    return max(1, min(count, len(data) - context))
+
+
 def evaluation_starts(data: torch.Tensor, context: int, count: int) -> torch.Tensor:
     """The starts of ``count`` windows spread evenly over ``data`` (always the same
-    ones), int64 ``(count,)``: :func:`windows` gives their bytes, a batch at a time."""
-    return torch.linspace(0, len(data) - context - 1, count).long()
+    ones; never more than ``data`` holds: :func:`evaluation_count`), int64 ``(n,)``:
+    :func:`windows` gives their bytes, a batch at a time."""
+    return torch.linspace(0, len(data) - context - 1, evaluation_count(data, context, count)).long()
 
 
 def evaluation_windows(data: torch.Tensor, context: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

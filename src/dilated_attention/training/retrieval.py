@@ -43,9 +43,11 @@ class RetrievalResult:
 
 
 def distances(task: str, max_distance: int) -> list[int]:
-    """Powers of two from the task's shortest distance up to ``max_distance``."""
-    first = 2 ** math.ceil(math.log2(tasks.min_distance(task)))
-    return [2**k for k in range(int(math.log2(first)), int(math.log2(max(max_distance, first))) + 1)]
+    """The powers of two from the task's shortest distance up to ``max_distance``; where
+    none lies between them, ``max_distance`` alone (never a distance beyond it)."""
+    first = math.ceil(math.log2(tasks.min_distance(task)))
+    powers = [2**k for k in range(first, max_distance.bit_length())]
+    return powers or [max_distance]
 
 
 def score(
@@ -167,10 +169,11 @@ def evaluate_run(
     out: str | None = None,
 ) -> RetrievalResult:
     """Score a run's latest checkpoint on ``task`` at distances up to ``max_distance``
-    (default: the run's training context); write ``retrieval-<task>.json``, ``.txt``
+    (default: the farthest an example of the run's training context holds, at least
+    the task's shortest distance); write ``retrieval-<task>.json``, ``.txt``
     and ``.png`` into ``out`` (default: the run folder). A passkey hides in text of
     the run's validation split."""
-    from ..utils.files import write_results
+    from ..utils.files import check_output_folder, write_results
     from .data import load_corpus
     from .run_folder import read_run_config
     from .trainer import load_model
@@ -178,8 +181,9 @@ def evaluate_run(
     tasks.check_task(task)
     config, settings = read_run_config(run_dir)
     if max_distance is None:
-        max_distance = settings.context - tasks.min_length(task, 0)
+        max_distance = max(settings.context - tasks.min_length(task, 0), tasks.min_distance(task))
     max_distance = validation.check_int(max_distance, "max_distance", tasks.min_distance(task), 2**40)
+    check_output_folder(*((run_dir, "the run folder") if out is None else (out, "out")))
     model = load_model(run_dir, device or "cpu")
     filler = load_corpus(settings.data).validation if task == "passkey" else None
     result = score(

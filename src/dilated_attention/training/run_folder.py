@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import sys
 
 from ..models import LongNetConfig
@@ -123,7 +124,8 @@ def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
     if not os.path.isfile(path):
         if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= {LOCK}:
             raise ValueError(
-                f"{run_dir} holds no run: one was stopped before it wrote {CONFIG}; start it anew with --out {run_dir}"
+                f"{run_dir} holds no run: one was stopped before it wrote {CONFIG}; start it anew with "
+                f"--out {shlex.quote(run_dir)}"
             )
         raise ValueError(f"{run_dir} is not a training run folder: {path} is missing")
     try:

@@ -12,6 +12,7 @@ import dataclasses
 import errno
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -21,9 +22,11 @@ import torch
 from torch.nn import functional as F
 
 from ..models import LongNetConfig, LongNetLM
+from ..ops import validation
 from ..utils.extras import require
+from ..utils.memory import check_fits
 from . import checkpoint, parallel, run_folder, tasks
-from .data import Batches, check_long_enough, evaluation_starts, load_corpus, windows
+from .data import Batches, check_long_enough, evaluation_count, evaluation_starts, load_corpus, windows
 from .settings import AUTOCAST_DTYPES, TrainSettings
 
 
@@ -130,25 +133,32 @@ def _write_failure(exc: OSError, run_dir: str) -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return (
             f"no space left on the device writing {where}; the latest checkpoint in {run_dir} is intact: free "
-            f"some space, then continue the run with --resume {run_dir}"
+            f"some space, then continue the run with --resume {shlex.quote(run_dir)}"
         )
     return f"cannot write {where} ({exc.strerror}); the latest checkpoint in {run_dir} is intact"
 
 
 def _train_or_resume(run_dir, settings, model_config, resume, device, callback, progress) -> dict:
     """:func:`train` after its extra is checked."""
+    _check_type(settings, TrainSettings, "settings")
+    _check_type(model_config, LongNetConfig, "model_config")
+    if settings is not None:
+        settings = _with_absolute_data(settings)
     if resume:
         model_config, saved = run_folder.read_run_config(run_dir)
         settings = _resumed_settings(saved, settings)
     elif settings is None or model_config is None:
         raise ValueError("a new run needs settings and model_config")
     else:
-        settings = _check_new_run(settings, model_config)
+        _check_model(model_config, settings)
     place = parallel.setup(settings.sequence_parallel, device)
     try:
         _check_split(settings, place)
+        _check_fits(model_config, place.device)
         corpus = load_corpus(settings.data)
         check_long_enough(corpus, settings.context)
+        if place.is_main:
+            _note_evaluation_windows(corpus, settings)
         lock = place.on_main(lambda: _claim_run_folder(run_dir, resume))
         try:
             return _train(run_dir, settings, model_config, corpus, resume, place, callback, progress)
@@ -179,7 +189,9 @@ def _claim_run_folder(run_dir: str, resume: bool) -> run_folder.RunLock:
 
 def _check_new_run_folder(run_dir: str) -> None:
     if os.path.isfile(os.path.join(run_dir, checkpoint.CHECKPOINT)):
-        raise ValueError(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or pick another --out")
+        raise ValueError(
+            f"{run_dir} already holds a run: continue it with --resume {shlex.quote(run_dir)}, or pick another --out"
+        )
     if not run_folder.never_started(run_dir):
         raise ValueError(f"--out {run_dir} is a folder with files in it: pick an empty or new folder for the run")
 
@@ -384,12 +396,48 @@ def _check_model(model_config: LongNetConfig, settings: TrainSettings) -> None:
         )
 
 
-def _check_new_run(settings: TrainSettings, model_config: LongNetConfig) -> TrainSettings:
-    """The settings with the data path made absolute, so that a resumed run reads the
-    same files (the folder is checked once it is locked: :func:`_claim_run_folder`)."""
-    _check_model(model_config, settings)
-    data = None if settings.data is None else os.path.abspath(settings.data)
-    return dataclasses.replace(settings, data=data)
+def _check_type(value, kind: type, name: str) -> None:
+    """A ``TypeError`` unless ``value`` is a ``kind`` or ``None``."""
+    if value is not None and not isinstance(value, kind):
+        hint = f": build one, {kind.__name__}(**{name})" if isinstance(value, dict) else ""
+        raise TypeError(f"{name} must be a {kind.__name__} or None, got {validation.type_name(value)}{hint}")
+
+
+def _with_absolute_data(settings: TrainSettings) -> TrainSettings:
+    """The settings with the data path made absolute, as a run records it, so that a
+    resumed run reads the same files wherever it is started from."""
+    if settings.data is None:
+        return settings
+    return dataclasses.replace(settings, data=os.path.abspath(settings.data))
+
+
+def _check_fits(model_config: LongNetConfig, device: torch.device) -> None:
+    """Refuse a model whose training state (float32 weights, gradients and AdamW's two
+    moments: 16 bytes a parameter) exceeds the device's memory, before anything is
+    written. The parameters are counted from the sizes, without allocating: the
+    matrices alone (embedding, once if tied; attention; feed-forward), a lower bound."""
+    c = model_config
+    embeddings = c.vocab_size * c.dim * (1 if c.tie_embeddings else 2)
+    parameters = embeddings + c.depth * (4 * c.dim**2 + 2 * c.dim * c.ffn_dim)
+    check_fits(
+        16 * parameters,
+        device,
+        f"the model's parameters (at least {parameters:.3g}), with their gradients and AdamW's two moments,",
+        "use a smaller dim, ffn_dim, depth or vocab_size",
+    )
+
+
+def _note_evaluation_windows(corpus, settings: TrainSettings) -> None:
+    """Say so where the validation split holds fewer windows than ``eval_windows``:
+    each evaluation uses every window it holds (:func:`.data.evaluation_starts`)."""
+    count = evaluation_count(corpus.validation, settings.context, settings.eval_windows)
+    if count < settings.eval_windows:
+        print(
+            f"note: the validation split of {corpus.source} holds {count:,} windows of context + 1 = "
+            f"{settings.context + 1} bytes: each evaluation uses those {count:,}, not eval_windows "
+            f"{settings.eval_windows:,}",
+            file=sys.stderr,
+        )
 
 
 def _check_split(settings: TrainSettings, place) -> None:

@@ -53,7 +53,48 @@ def link_atomically(source: str, path: str) -> None:
         with atomic_write(path, binary=True) as f, open(source, "rb") as original:
             shutil.copyfileobj(original, f)
         return
-    os.replace(temporary, path)
+    try:
+        os.replace(temporary, path)
+    finally:
+        # Where ``path`` already names the file (a kill between the link and the next
+        # write leaves two names for it), rename does nothing (POSIX) and leaves the
+        # temporary name: remove it, as after a failed replace.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+
+
+def check_output_file(path: str, option: str) -> None:
+    """A ``ValueError`` naming ``option`` unless ``path`` can be written as a file: a
+    name that is not a folder's, in a folder that exists or can be created and is
+    writable. For checks before any work is done."""
+    if not path.strip() or path.endswith(("/", os.sep)):
+        raise ValueError(f"{option} must name a file, got {path!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a folder: name a file, such as {os.path.join(path, 'out.png')}")
+    _check_writable(os.path.dirname(os.path.abspath(path)), f"{option} {path}")
+
+
+def check_output_folder(path: str, option: str) -> None:
+    """A ``ValueError`` naming ``option`` unless ``path`` is a folder that exists or can
+    be created, and is writable. For checks before any work is done."""
+    if not path.strip():
+        raise ValueError(f"{option} must name a folder, got an empty string")
+    _check_writable(path, f"{option} {path}")
+
+
+def _check_writable(folder: str, what: str) -> None:
+    """The nearest existing one of ``folder`` and its parents must be a writable folder
+    (then ``folder`` can be created and written into); else a ``ValueError``."""
+    existing = os.path.abspath(folder)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{what}: {existing} is not a folder: pick another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{what}: {existing} cannot be written into (no permission, or a read-only file system): "
+            "pick a writable folder"
+        )
 
 
 def write_results(stem: str, payload: dict, table: str) -> None:

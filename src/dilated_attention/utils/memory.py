@@ -1,0 +1,30 @@
+"""How much memory a device has, and refusing sizes that cannot fit in it before any work."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def device_memory(device) -> int | None:
+    """The bytes of memory of ``device`` (a GPU's own, else the machine's), or ``None``
+    where the system does not say."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
+
+
+def check_fits(nbytes: float, device, what: str, fix: str) -> None:
+    """A ``ValueError`` saying ``fix`` where ``what``, ``nbytes`` bytes, exceeds the
+    memory of ``device``: sizes that cannot fit are refused before any work."""
+    memory = device_memory(device)
+    if memory is not None and nbytes > memory:
+        raise ValueError(
+            f"{what} take {nbytes / 2**30:.3g} GiB, more than the {memory / 2**30:.3g} GiB of memory of the "
+            f"{torch.device(device).type} device: {fix}"
+        )
