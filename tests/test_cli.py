@@ -294,7 +294,9 @@ def test_sizes_beyond_the_memory_are_refused_before_measuring(capsys, monkeypatc
         (MemoryError(), 2, "error: out of memory (MemoryError): use smaller sizes"),
         (RuntimeError("std::bad_alloc"), 2, "error: out of memory (std::bad_alloc)"),
         (PermissionError(13, "Permission denied", "/results/p.png"), 1, "error: /results/p.png: Permission denied"),
-        (BrokenPipeError(32, "Broken pipe"), 141, ""),
+        (IsADirectoryError(21, "Is a directory", "/r/.x.json.0f.tmp", None, "/r/x.json"), 1, "error: /r/x.json: Is"),
+        # another pipe than stdout's (stdout's own: test_training's closed pipe, status 141)
+        (BrokenPipeError(32, "Broken pipe"), 1, "error: Broken pipe (BrokenPipeError)"),
     ],
 )
 def test_failures_of_the_machine_are_one_line_errors(error, code, expected, capsys, monkeypatch):

@@ -150,8 +150,8 @@ def test_module_errors():
     [
         (dict(layer_norm_eps=-1.0), ValueError, "layer_norm_eps must be a finite number > 0"),
         (dict(layer_norm_eps="a"), TypeError, "layer_norm_eps must be a number"),
-        (dict(gamma_init=math.inf), ValueError, "gamma_init must be a finite number > 0"),
-        (dict(gamma_init=-1.0), ValueError, "gamma_init must be a finite number > 0"),
+        (dict(gamma_init=math.inf), ValueError, "gamma_init must be a finite number >= 0"),
+        (dict(gamma_init=-1.0), ValueError, "gamma_init must be a finite number >= 0"),
         (dict(gamma_init="a"), TypeError, "gamma_init must be a number"),
         (dict(bias=1), TypeError, "bias must be a bool"),
         (dict(sub_layernorm=None), TypeError, "sub_layernorm must be a bool"),

@@ -181,7 +181,7 @@ class MultiheadDilatedAttention(nn.Module):
             validation.check_head_groups(num_heads, len(self.attention.segment_lengths))
         self.embed_dim, self.num_heads = int(embed_dim), int(num_heads)
         self.gamma_init = validation.check_number(
-            gamma_init, "gamma_init", 0.0, low_open=True, meaning=" (the gain of the value and output projections)"
+            gamma_init, "gamma_init", 0.0, meaning=" (the gain of the value and output projections)"
         )
         bias, sub_layernorm = validation.check_flag(bias, "bias"), validation.check_flag(sub_layernorm, "sub_layernorm")
         layer_norm_eps = validation.check_number(layer_norm_eps, "layer_norm_eps", 0.0, low_open=True)

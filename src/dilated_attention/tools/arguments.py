@@ -102,13 +102,17 @@ def seed(text: str) -> int:
     return value
 
 
+# CPU threads a command takes at most: more than the CPUs is allowed (oversubscription),
+# far more crashes torch.set_num_threads' thread pool (100,000 did).
+MAX_THREADS = 4096
+
+
 def threads(text: str) -> int:
-    """An argparse type: a number of CPU threads, from 1 to the CPUs ``os.cpu_count()``
-    reports (torch.set_num_threads crashes on far more)."""
+    """An argparse type: a number of CPU threads, from 1 to :data:`MAX_THREADS`."""
     value = positive_int(text)
-    most = os.cpu_count() or 1
-    if value > most:
-        raise argparse.ArgumentTypeError(f"must be at most {most}, the CPUs of this machine, got {text}")
+    if value > MAX_THREADS:
+        cpus = os.cpu_count() or 1
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_THREADS} (this machine has {cpus} CPUs), got {text}")
     return value
 
 

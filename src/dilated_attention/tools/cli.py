@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 import time
 from collections.abc import Sequence
@@ -119,19 +120,23 @@ def _grid_pattern(args, segs, rates) -> int:
     return 0
 
 
-def _bench_setup(args) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Check the device, the plot's extra and where the results go, set the threads;
-    the branches of a benchmark command."""
+def _bench_setup(args, kind: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Check the device, the plot's extra and where the results go; the branches of a
+    benchmark command."""
     device_type(args.device)
     if not args.no_plot:
         require("plot", "the plot of the results (or pass --no-plot)")
-    _check_destination(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _check_destination(args, kind)
     return validation.check_branches(args.segment_lengths, args.dilation_rates)
 
 
-def _check_destination(args) -> None:
+def _set_threads(args) -> None:
+    """``--threads``, once every check has passed (a process-wide setting)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
+def _check_destination(args, kind: str) -> None:
     """``--out-dir`` (by default the current directory, where a new folder goes) and
     ``--name``: where a benchmark's results can be written, before it measures."""
     check_output_folder("." if args.out_dir is None else args.out_dir, "--out-dir")
@@ -139,10 +144,18 @@ def _check_destination(args) -> None:
         raise ValueError(
             f"--name must be a file name without a folder, got {args.name!r}: give the folder as --out-dir"
         )
+    if args.out_dir is not None:  # a folder given may hold files (or folders) of these names already
+        for extension in (".json", ".txt") + (() if args.no_plot else (".png",)):
+            check_output_file(_results_stem(args, kind, args.out_dir) + extension, "--out-dir/--name")
+
+
+def _results_stem(args, kind: str, out_dir: str) -> str:
+    """Where a benchmark's results go, less the extension: ``<--name or kind-device-dtype>``."""
+    return os.path.join(out_dir, args.name or f"{kind}-{args.device}-{args.dtype}")
 
 
 def _cmd_bench(args) -> int:
-    segs, rates = _bench_setup(args)
+    segs, rates = _bench_setup(args, "bench")
     default_lens = [2**p for p in range(12, 18)] if args.device == "cpu" else [2**p for p in range(12, 21)]
     element = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     longest = max(args.seq_lens or default_lens)
@@ -169,6 +182,7 @@ def _cmd_bench(args) -> int:
         max_seconds=args.max_seconds,
         matmul_size=args.matmul_size,
     )
+    _set_threads(args)
     result = benchmark.run(cfg, progress=not args.quiet)
     return _save_results(
         args,
@@ -182,7 +196,7 @@ def _cmd_bench(args) -> int:
 def _cmd_decode_bench(args) -> int:
     from . import decode_benchmark
 
-    segs, rates = _bench_setup(args)
+    segs, rates = _bench_setup(args, "decode")
     cfg = decode_benchmark.DecodeConfig(
         positions=args.positions,
         segment_lengths=segs,
@@ -201,6 +215,7 @@ def _cmd_decode_bench(args) -> int:
         f"the dilated caches of --batch {args.batch} sequences",
         "use a smaller --batch (or shorter --segment-lengths, fewer --heads or a smaller --head-dim)",
     )
+    _set_threads(args)
     result = decode_benchmark.run(cfg)
     return _save_results(
         args,
@@ -216,7 +231,7 @@ def _save_results(args, kind: str, payload: dict, table: str, plot) -> int:
     (PNG) into the results folder as ``<--name or kind-device-dtype>.*``; say where."""
     print(table)
     out_dir = _bench_folder(args.out_dir)
-    stem = os.path.join(out_dir, args.name or f"{kind}-{args.device}-{args.dtype}")
+    stem = _results_stem(args, kind, out_dir)
     write_results(stem, payload, table)
     if not args.no_plot:
         plot(stem + ".png")
@@ -402,7 +417,7 @@ def _add_run_options(bench, tensors: str, stem: str) -> None:
     bench.add_argument(
         "--threads",
         type=threads,
-        help="CPU threads, for torch.set_num_threads, at most the machine's CPUs (default: torch's own)",
+        help="CPU threads, for torch.set_num_threads, at most 4096 (default: torch's own)",
     )
     bench.add_argument("--no-plot", action="store_true", help="write no PNG plot (default: off)")
     bench.add_argument(
@@ -529,12 +544,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         print(f"error: out of memory ({first}): use smaller sizes (batch, context, model)", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # the reader of the output went away (`| head`): stop quietly
-        _discard_stdout()
-        return 128 + 13  # as a process that SIGPIPE ended
-    except OSError as exc:  # a file or folder the command reads or writes
-        where = f"{exc.filename}: " if exc.filename is not None else ""
-        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+    except OSError as exc:  # a file or folder the command reads or writes, or the output's reader gone
+        if isinstance(exc, BrokenPipeError) and _stdout_is_broken():  # `... | head`: stop quietly
+            _discard_stdout()
+            return 128 + 13  # as a process that SIGPIPE ended
+        # os.replace(temporary, path) names the destination second
+        path = exc.filename2 if exc.filename2 is not None else exc.filename
+        where = f"{path}: " if path is not None else ""
+        print(f"error: {where}{exc.strerror or exc} ({type(exc).__name__})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
@@ -547,6 +564,18 @@ def _out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     return any(text in str(exc) for text in ("can't allocate memory", "std::bad_alloc", "not enough memory"))
+
+
+def _stdout_is_broken() -> bool:
+    """Whether stdout is a pipe whose reader went away (the broken pipe was stdout's,
+    not some other pipe of the command): its write end then polls as an error."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()  # not on Windows, where no pipe is taken for stdout's
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 def _discard_stdout() -> None:

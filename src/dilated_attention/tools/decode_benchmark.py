@@ -99,10 +99,12 @@ def _tokens(cfg: DecodeConfig, batch: int, count: int, generator: torch.Generato
 
 
 def row_bytes(cfg: DecodeConfig) -> int:
-    """The most bytes one sequence of a batch takes: its dilated cache (see
-    :meth:`DilatedKVCache.max_nbytes`) and the tokens its steps take."""
+    """The fewest bytes one sequence of a batch takes at the longest position: its
+    dilated cache's keys and values, at least the positions it keeps there (fewer than
+    ``max(segment_lengths)``; up to 4 times a window while its buffers move:
+    :meth:`DilatedKVCache.max_nbytes`). A lower bound, for refusing batches that cannot fit."""
     element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
-    positions = 2 * 4 * max(cfg.segment_lengths) + 64  # keys and values; 64 step tokens
+    positions = 2 * min(max(cfg.positions), max(cfg.segment_lengths) - 1)  # keys and values
     return positions * cfg.heads * cfg.head_dim * element
 
 

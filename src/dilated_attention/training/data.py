@@ -83,8 +83,6 @@ def load_corpus(path: str | None = None) -> Corpus:
     else:
         if not os.path.exists(path):
             raise ValueError(f"--data {path}: no such file or folder")
-        if not os.path.isdir(path) and not os.path.isfile(path):
-            raise ValueError(f"--data {path} is not a regular file or a folder: give a text file or a folder of them")
         files = _files_under(path) if os.path.isdir(path) else [path]
         if not files:
             raise ValueError(
@@ -167,8 +165,8 @@ def evaluation_starts(data: torch.Tensor, context: int, count: int) -> torch.Ten
 
 
 def evaluation_windows(data: torch.Tensor, context: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``count`` windows of :func:`evaluation_starts`: inputs and targets, int64
-    ``(count, context)``."""
+    """The windows of :func:`evaluation_starts` (``n``: ``count``, or fewer where ``data``
+    holds fewer): inputs and targets, int64 ``(n, context)``."""
     return windows(data, evaluation_starts(data, context, count), context)
 
 

@@ -65,19 +65,22 @@ def link_atomically(source: str, path: str) -> None:
 
 def check_output_file(path: str, option: str) -> None:
     """A ``ValueError`` naming ``option`` unless ``path`` can be written as a file: a
-    name that is not a folder's, in a folder that exists or can be created and is
-    writable. For checks before any work is done."""
-    if not path.strip() or path.endswith(("/", os.sep)):
+    new name or a regular file's (written anew, atomically: a link is replaced, not
+    followed), in a folder that exists or can be created and is writable. For checks
+    before any work is done."""
+    if not path or path.endswith(("/", os.sep)):
         raise ValueError(f"{option} must name a file, got {path!r}")
     if os.path.isdir(path):
         raise ValueError(f"{option} {path} is a folder: name a file, such as {os.path.join(path, 'out.png')}")
+    if os.path.lexists(path) and not (os.path.isfile(path) or os.path.islink(path)):
+        raise ValueError(f"{option} {path} is not a regular file (a device or a pipe): name a file")
     _check_writable(os.path.dirname(os.path.abspath(path)), f"{option} {path}")
 
 
 def check_output_folder(path: str, option: str) -> None:
     """A ``ValueError`` naming ``option`` unless ``path`` is a folder that exists or can
     be created, and is writable. For checks before any work is done."""
-    if not path.strip():
+    if not path:
         raise ValueError(f"{option} must name a folder, got an empty string")
     _check_writable(path, f"{option} {path}")
 
@@ -85,7 +88,7 @@ def check_output_folder(path: str, option: str) -> None:
 def _check_writable(folder: str, what: str) -> None:
     """The nearest existing one of ``folder`` and its parents must be a writable folder
     (then ``folder`` can be created and written into); else a ``ValueError``."""
-    existing = os.path.abspath(folder)
+    existing = os.path.realpath(folder)  # through links, as the system resolves "link/.."
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):

@@ -24,7 +24,7 @@ def check_fits(nbytes: float, device, what: str, fix: str) -> None:
     memory of ``device``: sizes that cannot fit are refused before any work."""
     memory = device_memory(device)
     if memory is not None and nbytes > memory:
-        raise ValueError(
-            f"{what} take {nbytes / 2**30:.3g} GiB, more than the {memory / 2**30:.3g} GiB of memory of the "
-            f"{torch.device(device).type} device: {fix}"
-        )
+        kind = torch.device(device).type
+        where = "physical memory of this machine" if kind == "cpu" else f"memory of the {kind} device"
+        size = f"{nbytes / 2**30:.3g} GiB, more than the {memory / 2**30:.3g} GiB"
+        raise ValueError(f"{what} take {size} of {where}: {fix}")
