@@ -174,6 +174,35 @@ def test_the_attention_function_handles_gqa_left_padding_windows_and_holes():
         assert torch.allclose(out[row : row + 1], expected, rtol=1e-12, atol=1e-12)
 
 
+def test_rows_of_one_left_padding_give_the_reference_rows_and_gradients():
+    """Every row padded alike (one call for all, its padding queries cut): the output has
+    every query row, the padding's 0, and the gradients are the reference's."""
+
+    class Module(torch.nn.Module):
+        num_key_value_groups, is_causal = 2, True
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 11, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    mask[:, :4] = False  # both rows: 4 padding slots, then positions 0 .. 6
+    positions = torch.arange(-4, 7).clamp(min=0).expand(2, -1)
+    out, _ = dilated_attention_forward(
+        Module(), q, k, v, mask, position_ids=positions, mode="mixture", head_offsets="interleaved", **BRANCHES
+    )
+    assert out.shape == (2, 11, 4, 8) and torch.equal(out[:, :4], torch.zeros_like(out[:, :4]))
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for row in range(2):
+        window = [t.detach()[row : row + 1, :, 4:].requires_grad_() for t in (q, k, v)]
+        keys = [t.repeat_interleave(2, dim=1).transpose(1, 2) for t in window[1:]]
+        expected, _ = reference_dilated_attention(window[0].transpose(1, 2), *keys, is_causal=True, **BRANCHES)
+        assert torch.allclose(out[row : row + 1, 4:], expected, rtol=1e-12, atol=1e-12)
+        expected_grads = torch.autograd.grad(expected.square().sum(), window)
+        for grad, expected_grad in zip(grads, expected_grads, strict=True):
+            assert torch.allclose(grad[row : row + 1, :, 4:], expected_grad, rtol=1e-10, atol=1e-12)
+            assert torch.equal(grad[row, :, :4], torch.zeros_like(grad[row, :, :4]))
+
+
 def test_position_ids_and_a_mask_changed_in_place_between_calls_are_read_again(monkeypatch):
     """The layers of a step pass the attention function the same position_ids and mask
     tensors: one changed in place between calls is read again."""
