@@ -203,8 +203,17 @@ def worker(rank, world, init_file, cases, result_dir, scenario):
                 report["error"] = f"{type(exc).__name__}: {exc}"
             report["seconds"] = time.monotonic() - start
         elif scenario == "dead_peer":
+            # The peer dies only once rank 0 is past the group's set-up: dying during
+            # gloo's connection of the ranks fails init_process_group instead (a torch
+            # error outside the library, seen in CI about once in many runs).
+            dist.barrier()
+            ready = os.path.join(result_dir, "connected")
             if rank == 1:
+                deadline = time.monotonic() + 60
+                while not os.path.exists(ready) and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 os._exit(0)  # dies without taking part
+            open(ready, "w").close()
             x = torch.randn(1, 8, 2, 4, dtype=torch.float64)
             start = time.monotonic()
             try:
