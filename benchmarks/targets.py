@@ -5,8 +5,8 @@
 Config (the issue's): float32, B=1, H=8, D=64, segment_lengths=[2048, 4096, 8192],
 dilation_rates=[1, 2, 4]; 2 CPU threads on CPU. Every ratio is measured against a
 4096 x 4096 matmul run alternately with the measured call (see
-dilated_attention.tools.benchmark). Writes benchmarks/results/targets-<device>-float32.json
-and .txt.
+dilated_attention.tools.benchmark). Writes benchmarks/results/targets-<device>-float32-<machine>.json
+and .txt (the machine: the CPU model, or the GPU's name).
 """
 
 import argparse
@@ -103,7 +103,9 @@ def main() -> int:
         say(f"{name:58} {value:9.3f} {goal_text:>8}  {'' if met is None else ('yes' if met else 'NO')}")
         report.append({"target": name, "measured": value, "goal": goal_text, "met": met})
 
-    stem = os.path.join(HERE, "results", f"targets-{args.device}-float32")
+    # Each kind of CPU keeps its own results: the engine's share of the kernel differs between them.
+    machine = speed.machine.get("gpu") or benchmark.cpu_slug(speed.machine["cpu"])
+    stem = os.path.join(HERE, "results", f"targets-{args.device}-float32-{machine.replace(' ', '-')}")
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     runs = {
         name: [vars(r) for r in res.rows] for name, res in (("speed", speed), ("memory", memory), ("scaling", scaling))

@@ -50,6 +50,20 @@ def test_time_by_op_names_the_kernel_calls_and_accounts_for_every_operator():
     assert first[1]["calls"] >= 2
 
 
+@pytest.mark.parametrize(
+    ("model", "slug"),
+    [
+        ("Intel(R) Xeon(R) Processor", "intel-xeon"),
+        ("AMD EPYC", "amd-epyc"),
+        ("AMD EPYC 7B13 64-Core Processor", "amd-epyc-7b13-64-core"),
+        ("Intel(R) Core(TM) i7-8700 CPU @ 3.20GHz", "intel-core-i7-8700-3-20ghz"),
+        ("", "unknown"),
+    ],
+)
+def test_cpu_slug_names_result_files_by_the_cpu(model, slug):
+    assert benchmark.cpu_slug(model) == slug
+
+
 @pytest.mark.skipif(not PeakMemory.supported(torch.device("cpu")), reason="needs Linux /proc")
 def test_peak_memory_sees_a_temporary_allocation():
     size = 64 * 2**20

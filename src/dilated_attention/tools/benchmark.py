@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -467,6 +468,14 @@ def machine_info(device: torch.device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def cpu_slug(model: str) -> str:
+    """A file-name part for a CPU model name: ``"Intel(R) Xeon(R) Processor"`` ->
+    ``"intel-xeon"``, ``"AMD EPYC 7B13"`` -> ``"amd-epyc-7b13"``."""
+    words = re.sub(r"\((r|tm)\)", " ", model.lower())
+    words = [w for w in re.split(r"[^a-z0-9]+", words) if w and w not in ("processor", "cpu")]
+    return "-".join(words) or "unknown"
 
 
 def _cpu_model() -> str:
