@@ -107,6 +107,9 @@ def test_greedy_generation_follows_the_full_forward_argmax():
     assert torch.equal(out[:, 9:], expected)
     assert model.generate(prompt[0], 5, top_k=1).shape == (14,)
     assert torch.equal(model.generate(prompt, 12, top_k=1), out[:, :21])
+    for max_chunk in (1, 4):  # the prompt fed in parts a static cache takes
+        static = model.new_cache(2, static=True, max_chunk=max_chunk)
+        assert torch.equal(model.generate(prompt, 30, temperature=0, cache=static), out)
 
 
 def test_generation_restores_training_mode_and_repeats_with_a_seed():

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 # The imports below follow the importorskip (hence E402), which skips this file without transformers.
 from transformers import (  # noqa: E402
     AttentionInterface,
+    DynamicCache,
     GPTBigCodeConfig,
     GPTBigCodeForCausalLM,
     GptOssConfig,
@@ -20,6 +21,8 @@ from transformers import (  # noqa: E402
     Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -346,6 +349,24 @@ def test_the_bounded_cache_fed_in_chunks_gives_the_full_forward():
     assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-12
 
 
+def test_the_bounded_cache_fed_in_short_chunks_gives_the_default_caches_gradients():
+    """Short chunks with gradients, only the queries' projection trained (the keys and
+    values need none): the attention keeps views of the cache's window for the queries'
+    gradient, which no later chunk may write into."""
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_("q_proj" in name)
+    tokens = torch.randint(0, 61, (2, 12))
+    grads = []
+    for cache in (DynamicCache(config=model.config), DilatedCache(model)):
+        loss = sum((model(tokens[:, at : at + 2], past_key_values=cache).logits ** 2).sum() for at in range(0, 12, 2))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        grads.append(torch.autograd.grad(loss, trained))
+    for ours, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
 def test_the_bounded_cache_needs_the_model_to_run_the_registration():
     model = tiny("llama")
     with pytest.raises(ValueError, match="not a dilated attention registration"):
@@ -466,6 +487,11 @@ def test_unsupported_uses_are_refused_clearly():
         model(tokens, position_ids=torch.arange(5, 14).expand(2, -1))
     with pytest.raises(ValueError, match="packed sequences"):
         model(tokens, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5]] * 2))
+    hole, right = torch.ones_like(tokens), torch.ones_like(tokens)
+    hole[1, 5], right[1, 6:] = 0, 0
+    for mask in (hole, right):  # generate numbers the tokens from the mask: only left padding works
+        with pytest.raises(ValueError, match=r"attention_mask: pad on the left only \(tokenizer.padding_side"):
+            model.generate(tokens, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
     with pytest.raises(ValueError, match="output_attentions"):
         model(tokens, output_attentions=True)
     model.model.layers[0].self_attn.is_causal = False
@@ -620,6 +646,31 @@ def test_layers_that_are_not_full_attention_are_refused():
     assert float((a - b).abs().max() / a.abs().max()) <= 1e-6
 
 
+def test_a_sliding_window_as_wide_as_the_longest_segment_changes_nothing():
+    """Mistral's sliding window: one of at least max(segment_lengths) = 8 drops no key a
+    query attends to (the logits, and generation through DilatedCache, are those
+    without it); a narrower one is refused."""
+    common = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    torch.manual_seed(0)
+    plain = MistralForCausalLM(MistralConfig(**common, num_key_value_heads=2, sliding_window=None)).double().eval()
+    plain.set_attn_implementation("dilated")
+    tokens = torch.randint(1, 61, (2, 21))  # no pad token (0): no padding
+    expected = plain(tokens).logits
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for window, wide_enough in ((8, True), (100, True), (7, False)):
+        windowed = MistralForCausalLM(MistralConfig(**common, num_key_value_heads=2, sliding_window=window))
+        windowed.load_state_dict(plain.state_dict())
+        windowed = windowed.double().eval()
+        windowed.set_attn_implementation("dilated")
+        if wide_enough:
+            assert torch.equal(windowed(tokens).logits, expected)
+            got = windowed.generate(tokens, past_key_values=DilatedCache(windowed), **greedy)
+            assert torch.equal(got, plain.generate(tokens, **greedy))
+        else:
+            with pytest.raises(ValueError, match=r"sliding_window=7, narrower than max\(segment_lengths\) = 8"):
+                windowed(tokens)
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [
@@ -714,6 +765,7 @@ def test_the_bounded_cache_knows_when_its_window_holds_a_nan_and_the_attention_h
 
 @settings(max_examples=30, deadline=None)
 @given(st.data())
+@torch.no_grad()  # as generate runs (with gradients a layer concatenates)
 def test_the_bounded_cache_appends_in_place_as_transformers_concatenates(data):
     """A DilatedCache layer writes short chunks into buffers with room to spare: it
     returns what transformers' sliding-window layer returns, chunk after chunk, with beam

@@ -26,10 +26,12 @@ What the function does with what ``transformers`` passes:
   refused.
 - Full attention only: a layer whose ``config.layer_types`` entry is not
   ``full_attention`` (Llama 4's ``chunked_attention``, ``sliding_attention``, ...) is
-  refused, as are the options that change what a layer computes: ``sliding_window``,
-  ``softcap``, ``head_mask``, ``position_bias``, ``sinks`` (per token), sparse key
-  ``indices`` and ``block_indices``, packed ``cu_seq_lens_q/k``, ``output_attentions``
-  and 4-D masks (dilated attention forms no weight matrix and has its own sparsity).
+  refused, as are the options that change what a layer computes: a
+  ``sliding_window`` narrower than ``max(segment_lengths)`` (a wider one excludes no
+  key a query attends to, and changes nothing), ``softcap``, ``head_mask``,
+  ``position_bias``, ``sinks`` (per token), sparse key ``indices`` and
+  ``block_indices``, packed ``cu_seq_lens_q/k``, ``output_attentions`` and 4-D masks
+  (dilated attention forms no weight matrix and has its own sparsity).
 - Positions come from the queries' ``position_ids``: key slot ``i`` is position
   ``position_ids[-1] - (Lk - 1 - i)``, so segments follow each sequence's own
   positions and the keys may be a window of the sequence (:class:`DilatedCache`).
@@ -130,8 +132,11 @@ class _WindowLayer(DynamicSlidingWindowLayer):
             self._nonfinite_until = 0
         length = key_states.shape[-2]
         in_place = length < self.sliding_window // 2 and not self.record_past
-        if in_place and torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
-            in_place = False  # autograd keeps what it used: transformers' concatenation
+        if in_place and torch.is_grad_enabled():
+            # Autograd may keep the returned views (for the queries' gradient too, with the
+            # keys and values frozen), and a write into their buffers would invalidate
+            # them: transformers' concatenation. generate runs without gradients.
+            in_place = False
         # a step's few rows: one concatenation and one sum; a long chunk: a sum each, no copy
         finite = all_finite(key_states, value_states) if in_place else nonfinite_rows(key_states, value_states) is None
         if in_place:
@@ -189,7 +194,7 @@ class DilatedCache(Cache):
     every layer keeps only the last ``max(segment_lengths) - 1`` positions (a query
     never attends further back), so generation memory stays constant however long
     the text grows; a decode step's keys and values are written in place (buffers of
-    1.5 times what a call returns), not concatenated. Pass it as
+    half as many positions again as a call returns, and one), not concatenated. Pass it as
     ``past_key_values=`` to ``generate`` or to the model's forward (every supported
     ``transformers`` version takes that name; 5.24 renamed it ``cache=`` and still
     takes the old one, with a ``FutureWarning``).
@@ -275,7 +280,7 @@ def dilated_attention_forward(
     value`` ``(B, H_kv, Lk, D)`` (the queries are the last ``Lq`` of the ``Lk`` key
     slots; the keys may be a window of the sequence, as :class:`DilatedCache` keeps),
     ``s_aux`` optional attention sinks ``(H,)`` -> ``((B, Lq, H, D), None)``."""
-    _refuse_unsupported(module, key, attention_mask, is_causal, kwargs)
+    _refuse_unsupported(module, key, attention_mask, is_causal, kwargs, max(segment_lengths))
     _check_sinks(s_aux, query.shape[1])
     batch, _, num_queries, _ = query.shape
     num_keys = key.shape[2]
@@ -306,7 +311,6 @@ def dilated_attention_forward(
 # and which dilated attention does not implement: (option, what it is).
 _REFUSED_OPTIONS = (
     ("softcap", "logit soft-capping"),
-    ("sliding_window", "a sliding window"),
     ("head_mask", "a mask on the attention weights"),
     ("position_bias", "an additive position bias"),
     ("sinks", "per-token attention sinks"),
@@ -319,7 +323,7 @@ _REFUSED_OPTIONS = (
 _FULL_ATTENTION_LAYERS = ("full_attention", "attention")
 
 
-def _refuse_unsupported(module, key, attention_mask, is_causal, kwargs) -> None:
+def _refuse_unsupported(module, key, attention_mask, is_causal, kwargs, longest_segment: int) -> None:
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ValueError(
             f"dilated attention is registered for causal self-attention only; "
@@ -328,6 +332,14 @@ def _refuse_unsupported(module, key, attention_mask, is_causal, kwargs) -> None:
         )
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported: dilated attention never forms the weights")
+    window = kwargs.get("sliding_window")
+    if window is not None and not (isinstance(window, int) and window >= longest_segment):
+        raise ValueError(
+            f"the model sets sliding_window={window if isinstance(window, int) else '...'}, narrower than "
+            f"max(segment_lengths) = {longest_segment}: the window would drop keys that dilated attention "
+            "attends to. Register segment lengths of at most the window, use a config without "
+            "sliding_window, or another attn_implementation"
+        )
     for option, meaning in _REFUSED_OPTIONS:
         if kwargs.get(option) is not None:
             shown = kwargs[option] if isinstance(kwargs[option], (bool, int, float)) else "..."
@@ -429,7 +441,9 @@ def _first_key_positions(
         raise ValueError(
             "position_ids must number each row's tokens consecutively (0, 1, 2, ... from its first token, or "
             "from its first slot); packed sequences and other positions are not supported (row "
-            f"{row}: slot minus position = {sorted(set((-first[row][_all_or(real, row)]).tolist()))})"
+            f"{row}: slot minus position = {sorted(set((-first[row][_all_or(real, row)]).tolist()))}). "
+            "generate numbers tokens from attention_mask: pad on the left only (tokenizer.padding_side = "
+            "'left'), with no 0 between a row's tokens"
         )
     return row_first.squeeze(1).tolist()
 
@@ -484,8 +498,9 @@ def _attend_rows(
         if skip and (mask is None or bool(mask[rows, :skip].any())):
             raise ValueError(
                 "position_ids put a row's first token after key slots that are not marked as padding: the keys "
-                "run past the queries (a static cache?) or the mask and position_ids disagree; use "
-                "DilatedCache or transformers' default dynamic cache"
+                "run past the queries (a static cache?: use DilatedCache or transformers' default dynamic cache) or "
+                "the mask and position_ids disagree (right padding or a 0 between a row's tokens in "
+                "attention_mask: pad on the left only (tokenizer.padding_side = 'left'))"
             )
         if drop >= num_keys:
             continue  # only padding queries: they output 0

@@ -67,8 +67,9 @@ def stream(
 ) -> Iterator[torch.Tensor]:
     """Yield ``max_new_tokens`` tokens ``(B,)``, one step at a time, after ``prompt``
     (``(P,)`` or ``(B, P)``, ``P >= 1``). The prompt is fed in chunks of the longest
-    segment, each new token alone, all through one cache (``cache``, or a new one), in
-    eval mode (the model's mode is restored afterwards)."""
+    segment (at most a static cache's ``max_chunk``), each new token alone, all through
+    one cache (``cache``, or a new one), in eval mode (the model's mode is restored
+    afterwards)."""
     validation.check_non_negative_int(max_new_tokens, "max_new_tokens")
     _check_sampling(temperature, top_k, top_p)
     if not isinstance(prompt, torch.Tensor):
@@ -85,7 +86,8 @@ def stream(
     model.eval()
     try:
         cache = model.new_cache(tokens.shape[0]) if cache is None else cache
-        chunk = model.config.max_segment
+        # a static cache takes at most its max_chunk tokens a call (another object: the model refuses it)
+        chunk = min(model.config.max_segment, getattr(cache, "max_chunk", None) or model.config.max_segment)
         for start in range(0, tokens.shape[1], chunk):
             logits = model(tokens[:, start : start + chunk], cache=cache)
         for step in range(max_new_tokens):

@@ -78,7 +78,8 @@ class LongNetBlock(nn.Module):
 
 
 class LongNetCache:
-    """One :class:`dilated_attention.DilatedKVCache` per layer of a :class:`LongNetLM`, for
+    """One :class:`dilated_attention.DilatedKVCache` (or
+    :class:`dilated_attention.StaticKVCache`) per layer of a :class:`LongNetLM`, for
     feeding it a few tokens at a time. Its memory stays below ``2 * depth * B * 4 *
     (max(segment_lengths) + L) * dim`` elements for ``B`` sequences fed chunks of ``L``
     tokens, however many tokens pass through."""
@@ -90,6 +91,11 @@ class LongNetCache:
     def position(self) -> torch.Tensor:
         """``(B,)`` int64: the position of each sequence's next token."""
         return self.layers[0].position
+
+    @property
+    def max_chunk(self) -> int | None:
+        """The most tokens one call takes (a static cache's ``max_chunk``; ``None``: any)."""
+        return getattr(self.layers[0], "max_chunk", None)
 
     @property
     def nbytes(self) -> int:
