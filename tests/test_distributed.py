@@ -162,6 +162,69 @@ def shared_communicator_traffic(rank, group):
     return [vars(record) for record in records], alone
 
 
+def _error_of(fn) -> dict:
+    """``fn()``'s error (type and message) and how long it took to come."""
+    start = time.monotonic()
+    try:
+        fn()
+        error = None
+    except (ValueError, TypeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+def shared_errors(rank, group):
+    """Bad input on rank 1 only, in each layer that checks its own input before its
+    collective calls, and in settings that the ranks must share: every rank raises."""
+    from dilated_attention import MultiheadDilatedAttention
+    from dilated_attention.models import LongNetConfig, LongNetLM
+    from dilated_attention.nn.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    report = {}
+    x = torch.randn(1, 8, 2, 4, dtype=torch.float64)
+    # the backward exchanges gradients: a rank without a graph would leave the others waiting
+    grad_x = x.clone().requires_grad_(rank == 0)
+    report["graph"] = _error_of(lambda: dilated_attention(grad_x, grad_x, grad_x, [16], [1], process_group=group))
+    for rotary in (None, RotaryEmbedding(4)):  # with rotary, the first collective is the shard's start
+        module = MultiheadDilatedAttention(8, 2, [8], [1], rotary=rotary)
+        mask = torch.zeros(1, 5 if rank == 0 else 4, dtype=torch.bool)
+        report[f"module rotary={rotary is not None}"] = _error_of(
+            lambda module=module, mask=mask: module(torch.randn(1, 5, 8), key_padding_mask=mask, process_group=group)
+        )
+    model = LongNetLM(LongNetConfig(vocab_size=11, dim=8, depth=1, heads=2, segment_lengths=(4,), dilation_rates=(1,)))
+    tokens = torch.randint(0, 11, (1, 4)) + (20 if rank == 1 else 0)
+    report["model"] = _error_of(lambda: model(tokens, process_group=group))
+    # a call that raises leaves the random generator as it was (the dropout seed is drawn first)
+    state = torch.get_rng_state()
+    mask = torch.zeros(1, 8, dtype=torch.bool if rank == 0 else torch.int64)
+    report["dropout"] = _error_of(
+        lambda: dilated_attention(x, x, x, [4], [1], dropout_p=0.5, key_padding_mask=mask, process_group=group)
+    )
+    report["generator kept"] = torch.equal(state, torch.get_rng_state())
+    report["type"] = _error_of(lambda: dilated_attention(x, x, x, [4], [1], process_group="world"))
+    outsider = dist.new_group([0])  # every rank calls new_group; rank 1 is not in it
+    if rank == 1:
+        report["outsider"] = _error_of(lambda: dilated_attention(x, x, x, [4], [1], process_group=outsider))
+    return report
+
+
+def compiled_call(rank, world, group):
+    """``torch.compile`` of a function calling with a process group (the exchange runs
+    eagerly) gives the one-process shard, gradients included; ``None`` or the error."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 12, 2, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    whole = dilated_attention(x, x, x, [12], [2], is_causal=True) * 2
+    (expected,) = torch.autograd.grad(whole.square().sum(), x)
+    lo, hi = (0, 5) if rank == 0 else (5, 12)
+    shard = x.detach()[:, lo:hi].clone().requires_grad_()
+    compiled = torch.compile(lambda t: dilated_attention(t, t, t, [12], [2], is_causal=True, process_group=group) * 2)
+    out = compiled(shard)
+    (grad,) = torch.autograd.grad(out.square().sum(), shard)
+    errors = max_relative_error(out, whole[:, lo:hi]), max_relative_error(grad, expected[:, lo:hi])
+    return None if max(errors) <= 1e-12 else f"errors {errors}"
+
+
 def worker(rank, world, init_file, cases, result_dir, scenario):
     torch.set_num_threads(1)
     # Generous, since 8 processes on 2 cores start slowly; short where a peer dies on purpose.
@@ -202,6 +265,10 @@ def worker(rank, world, init_file, cases, result_dir, scenario):
             except (ValueError, TypeError) as exc:
                 report["error"] = f"{type(exc).__name__}: {exc}"
             report["seconds"] = time.monotonic() - start
+        elif scenario == "shared_errors":
+            report.update(shared_errors(rank, dist.group.WORLD))
+        elif scenario == "compiled":
+            report["error"] = compiled_call(rank, world, dist.group.WORLD)
         elif scenario == "dead_peer":
             # The peer dies only once rank 0 is past the group's set-up: dying during
             # gloo's connection of the ranks fails init_process_group instead (a torch
@@ -356,6 +423,34 @@ def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank_at_once(tmp_p
         assert reports[rank]["error"].startswith("ValueError: key_padding_mask must be a bool tensor")
         assert "bad input on rank 1 of process_group" in reports[rank]["error"]
         assert reports[rank]["seconds"] < 10  # not the group's 120 s timeout
+
+
+def test_a_layers_own_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
+    reports = launch(2, tmp_path, scenario="shared_errors")
+    expected = {
+        "graph": "ValueError: process_group ranks disagree on whether the call records a graph for backward",
+        "module rotary=False": "ValueError: key_padding_mask must have shape (batch, seq_len) = (1, 5), got (1, 4)",
+        "module rotary=True": "ValueError: key_padding_mask must have shape (batch, seq_len) = (1, 5), got (1, 4)",
+        "model": "ValueError: token ids must lie in [0, vocab_size=11)",
+        "dropout": "ValueError: key_padding_mask must be a bool tensor",
+        "type": "TypeError: process_group must be a torch.distributed process group",
+    }
+    for rank in (0, 1):
+        for name, start in expected.items():
+            found = reports[rank][name]
+            assert found["error"].startswith(start), (rank, name, found)
+            assert found["error"] == reports[1][name]["error"]  # one message on every rank
+            assert found["seconds"] < 10  # not the group's 120 s timeout
+        shared = "(bad input on rank 1 of process_group; every rank raises this error)"
+        for name in ("module rotary=False", "model", "dropout"):
+            assert shared in reports[rank][name]["error"]
+        assert reports[rank]["generator kept"]
+    assert reports[1]["outsider"]["error"].startswith("ValueError: this process (global rank 1) is not a member")
+
+
+def test_a_compiled_call_across_processes_gives_the_one_process_shard(tmp_path):
+    reports = launch(2, tmp_path, scenario="compiled")
+    assert reports[0]["error"] is None and reports[1]["error"] is None, reports
 
 
 def test_a_dead_peer_ends_the_others_with_an_error(tmp_path):

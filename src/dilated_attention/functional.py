@@ -101,7 +101,8 @@ def dilated_attention(
 
     NaN in a query, or in a key a query attends to, gives NaN in that query's
     output and LSE. Under a ``torch.func`` transform (``vmap``, ``grad``, ...) it
-    raises ``RuntimeError`` before any work; ``torch.compile`` works.
+    raises ``RuntimeError`` before any work; ``torch.compile`` works (a call with a
+    ``process_group`` runs eagerly inside the compiled code: a graph break).
     """
 
     validation.refuse_torch_func()
@@ -125,43 +126,55 @@ def dilated_attention(
         fused.use_triton(call.q, dropout, process_group is not None, kernel)  # a bad kernel choice raises here
         return call, dropout, validation.check_flag(return_lse, "return_lse")
 
-    exchange = None
     if process_group is None:
         call, dropout, want_lse = validate()
         seed = draw_seed(call.q.device) if dropout > 0 else None
+        _warn_if_traced(call)
+        out, lse = run(call, dropout, seed, None, kernel=kernel)
     else:
-        from .ops.distributed import make_exchange
+        out, lse, want_lse = _across_processes(validate, process_group, kernel)
+    if layout == "bhnd":
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    return (out, lse) if want_lse else out
 
-        try:
-            call, dropout, want_lse = validate()
-            if call.k.shape[2] != call.shape[2]:
-                raise ValueError(
-                    f"process_group takes as many key/value heads as query heads, got {call.k.shape[2]} and "
-                    f"{call.shape[2]}: repeat each key/value head for its query heads (grouped-query attention "
-                    "across processes is not supported)"
-                )
-            if call.num_keys != call.shape[1] or any(call.key_offsets):
-                raise ValueError(
-                    "process_group takes shards of one whole sequence: q, k, v of one length and "
-                    "key_offset=0 (queries at the end of a key window are not split across processes)"
-                )
-            error = None
-        except (ValueError, TypeError) as exc:
-            call = dropout = want_lse = None
-            error = exc
-        exchange = make_exchange(process_group, call, dropout, error)
-        seed = exchange.seed
+
+@torch.compiler.disable  # dynamo traces neither process groups nor the exchange: this part runs eagerly
+def _across_processes(validate, process_group, kernel):
+    """``(out, lse, return_lse)`` of a call whose inputs are this rank's shard: checked
+    on every rank together (:func:`dilated_attention.ops.distributed.make_exchange`),
+    then run with the exchange of rows between ranks."""
+    from .ops.distributed import make_exchange
+
+    try:
+        call, dropout, want_lse = validate()
+        if call.k.shape[2] != call.shape[2]:
+            raise ValueError(
+                f"process_group takes as many key/value heads as query heads, got {call.k.shape[2]} and "
+                f"{call.shape[2]}: repeat each key/value head for its query heads (grouped-query attention "
+                "across processes is not supported)"
+            )
+        if call.num_keys != call.shape[1] or any(call.key_offsets):
+            raise ValueError(
+                "process_group takes shards of one whole sequence: q, k, v of one length and "
+                "key_offset=0 (queries at the end of a key window are not split across processes)"
+            )
+        error = None
+    except (ValueError, TypeError) as exc:
+        call = dropout = want_lse = None
+        error = exc
+    exchange = make_exchange(process_group, call, dropout, error)
+    _warn_if_traced(call)
+    return (*run(call, dropout, exchange.seed, exchange, kernel=kernel), want_lse)
+
+
+def _warn_if_traced(call) -> None:
     if torch.jit.is_tracing():
         warnings.warn(
             f"torch.jit.trace records dilated_attention for q of shape {call.shape} (B, Lq, H, D) and "
             f"{call.num_keys} keys only: the traced graph computes wrong numbers for other lengths or "
             "head counts. Trace once per shape, or use torch.compile, which follows shape changes.",
-            stacklevel=2,
+            stacklevel=3,
         )
-    out, lse = run(call, dropout, seed, exchange, kernel=kernel)
-    if layout == "bhnd":
-        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
-    return (out, lse) if want_lse else out
 
 
 def run(

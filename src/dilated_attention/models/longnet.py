@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..nn.cache import DilatedKVCache, check_batch
 from ..nn.modules import MultiheadDilatedAttention, sequence_positions
-from ..nn.rotary import RotaryEmbedding
+from ..nn.rotary import RotaryEmbedding, check_positions
 from ..ops import validation
 from .config import LongNetConfig
 
@@ -184,13 +184,16 @@ class LongNetLM(nn.Module):
         each sequence. ``positions``: the tokens' absolute positions (``(N,)`` or
         ``(B, N)``), which the cache or the shard otherwise supply.
         """
-        self._check_tokens(tokens)
-        if cache is not None and not isinstance(cache, LongNetCache):
-            raise TypeError(f"cache must come from model.new_cache, got {validation.type_name(cache)}")
-        if cache is not None and len(cache.layers) != len(self.blocks):
-            raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.blocks)}")
-        if cache is not None:
-            check_batch(cache.layers[0].shape[0], tokens.shape[0], "tokens")
+        with validation.shared_errors(process_group):  # before any collective call: raised on every rank
+            self._check_tokens(tokens)
+            if cache is not None and not isinstance(cache, LongNetCache):
+                raise TypeError(f"cache must come from model.new_cache, got {validation.type_name(cache)}")
+            if cache is not None and len(cache.layers) != len(self.blocks):
+                raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.blocks)}")
+            if cache is not None:
+                check_batch(cache.layers[0].shape[0], tokens.shape[0], "tokens")
+            if positions is not None:
+                check_positions(positions, *tokens.shape)
         if positions is None:
             positions = sequence_positions(tokens.shape[1], tokens.device, cache, process_group)
         x = self.dropout(self.embedding(tokens) * math.sqrt(self.config.dim))

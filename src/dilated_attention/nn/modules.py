@@ -12,6 +12,7 @@ from ..functional import dilated_attention
 from ..ops import validation
 from .cache import DilatedKVCache, check_batch
 from .ordering import ORDERS, apply, grid_order, invert
+from .rotary import check_positions
 from .static_cache import StaticKVCache
 
 
@@ -329,41 +330,46 @@ class MultiheadDilatedAttention(nn.Module):
         (needs ``is_causal=True``, no mask, no dropout): the rows are the next ``N``
         positions of its sequences; their keys and values are appended to it.
         """
-        if validation.check_flag(need_weights, "need_weights"):
-            raise ValueError(
-                "need_weights=True is not supported: dilated attention never forms the "
-                "(N, N) weight matrix; pass need_weights=False (use "
-                "dilated_attention.reference.attention_weights_uniform to inspect the pattern)"
-            )
-        key = query if key is None else key
-        value = query if value is None else value
-        dims = "(batch, seq_len, " if self.batch_first else "(seq_len, batch, "
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(t)}")
-            if t.dim() != 3 or t.shape[-1] != self.embed_dim:
+        # checks of this rank's input, before any collective call: with a process_group a
+        # failure is raised on every rank (the others would wait for this one)
+        with validation.shared_errors(process_group):
+            if validation.check_flag(need_weights, "need_weights"):
                 raise ValueError(
-                    f"{name} must have shape {dims}embed_dim={self.embed_dim}) with "
-                    f"batch_first={self.batch_first}, got {tuple(t.shape)}"
+                    "need_weights=True is not supported: dilated attention never forms the "
+                    "(N, N) weight matrix; pass need_weights=False (use "
+                    "dilated_attention.reference.attention_weights_uniform to inspect the pattern)"
                 )
-        for name, t in (("key", key), ("value", value)):
-            if t.shape != query.shape:
+            key = query if key is None else key
+            value = query if value is None else value
+            dims = "(batch, seq_len, " if self.batch_first else "(seq_len, batch, "
+            for name, t in (("query", query), ("key", key), ("value", value)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(t)}")
+                if t.dim() != 3 or t.shape[-1] != self.embed_dim:
+                    raise ValueError(
+                        f"{name} must have shape {dims}embed_dim={self.embed_dim}) with "
+                        f"batch_first={self.batch_first}, got {tuple(t.shape)}"
+                    )
+            for name, t in (("key", key), ("value", value)):
+                if t.shape != query.shape:
+                    raise ValueError(
+                        f"{name} must have the shape of query {tuple(query.shape)}, got {tuple(t.shape)}: "
+                        "MultiheadDilatedAttention is self-attention over one sequence"
+                    )
+            self._check_like_parameters(query, key, value)
+            if not self.batch_first:
+                query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+            mask = key_padding_mask
+            if isinstance(mask, torch.Tensor) and tuple(mask.shape) != tuple(query.shape[:2]):
                 raise ValueError(
-                    f"{name} must have the shape of query {tuple(query.shape)}, got {tuple(t.shape)}: "
-                    "MultiheadDilatedAttention is self-attention over one sequence"
+                    f"key_padding_mask must have shape (batch, seq_len) = {tuple(query.shape[:2])}, got "
+                    f"{tuple(mask.shape)}; the query was read as {dims}embed_dim) (batch_first="
+                    f"{self.batch_first}): is that its layout?"
                 )
-        self._check_like_parameters(query, key, value)
-        if not self.batch_first:
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        mask = key_padding_mask
-        if isinstance(mask, torch.Tensor) and tuple(mask.shape) != tuple(query.shape[:2]):
-            raise ValueError(
-                f"key_padding_mask must have shape (batch, seq_len) = {tuple(query.shape[:2])}, got "
-                f"{tuple(mask.shape)}; the query was read as {dims}embed_dim) (batch_first="
-                f"{self.batch_first}): is that its layout?"
-            )
-        if cache is not None:
-            self._check_cache(cache, query.shape[0], is_causal, key_padding_mask, process_group)
+            if cache is not None:
+                self._check_cache(cache, query.shape[0], is_causal, key_padding_mask, process_group)
+            if positions is not None:
+                check_positions(positions, query.shape[0], query.shape[1])
         heads = (self.num_heads, self.embed_dim // self.num_heads)
         q = self.q_proj(query).unflatten(-1, heads)
         k = self.k_proj(key).unflatten(-1, heads)

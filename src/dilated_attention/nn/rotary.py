@@ -38,11 +38,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"x must have shape (batch, seq_len, heads, head_dim={self.head_dim}), got {tuple(x.shape)}"
             )
-        if positions.dtype.is_floating_point or positions.shape not in ((x.shape[1],), tuple(x.shape[:2])):
-            raise ValueError(
-                f"positions must be integers of shape (seq_len,) or (batch, seq_len) = {tuple(x.shape[:2])}, "
-                f"got {positions.dtype} of shape {tuple(positions.shape)}"
-            )
+        check_positions(positions, x.shape[0], x.shape[1])
         half = self.head_dim // 2
         exponents = torch.arange(half, dtype=torch.float64, device=x.device) * (-2.0 / self.head_dim)
         angles = positions.to(x.device, torch.float64)[..., None] * torch.pow(self.base, exponents)
@@ -52,3 +48,22 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"
+
+
+def check_positions(positions, batch: int, length: int) -> None:
+    """``positions`` must be an integer tensor ``(length,)`` or ``(batch, length)``."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a tensor of integer positions, got {validation.type_name(positions)}")
+    if (
+        positions.dtype.is_floating_point
+        or positions.dtype == torch.bool
+        or positions.shape
+        not in (
+            (length,),
+            (batch, length),
+        )
+    ):
+        raise ValueError(
+            f"positions must be integers of shape (seq_len,) or (batch, seq_len) = {(batch, length)}, "
+            f"got {positions.dtype} of shape {tuple(positions.shape)}"
+        )

@@ -16,7 +16,7 @@ A :class:`Communicator` is the process group as the caller holds it: pass one as
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from .dropout import draw_seed
 from .engine import KeySource, nonfinite_rows
 from .kernels import accumulator
 from .plan import Block, Rows, ShardPlan, make_shard_plan
+from .validation import type_name
 
 
 @dataclass
@@ -47,6 +48,14 @@ class Communicator:
     earlier layer, adds to that call's, which the caller may have kept)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None):
+        given: object = group
+        if given is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to the others
+            raise ValueError(_NOT_A_MEMBER.format(rank=dist.get_rank()))
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"Communicator takes a torch.distributed process group (dist.group.WORLD, dist.new_group(...)) "
+                f"or None for the default group, got {type_name(group)}"
+            )
         self._group = group
         self.traffic = Traffic()
 
@@ -69,6 +78,61 @@ class Communicator:
         return dist.get_global_rank(self.group, peer)
 
 
+def communicator_of(process_group) -> Communicator:
+    """``process_group`` (a group or a :class:`Communicator`) as a communicator, after
+    checking that this process can take part: ``torch.distributed`` initialised, a
+    group of the right type, of which this process is a member."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "process_group was given but torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group first, or pass process_group=None for one process"
+        )
+    if isinstance(process_group, Communicator):
+        communicator = process_group
+    elif process_group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to the others
+        raise ValueError(_NOT_A_MEMBER.format(rank=dist.get_rank()))
+    elif isinstance(process_group, dist.ProcessGroup):
+        communicator = Communicator(process_group)
+    else:
+        raise TypeError(
+            "process_group must be a torch.distributed process group (dist.group.WORLD, dist.new_group(...)) "
+            f"or a dilated_attention Communicator, got {type_name(process_group)}"
+        )
+    if dist.get_rank(communicator.group) < 0:
+        raise ValueError(_NOT_A_MEMBER.format(rank=dist.get_rank()))
+    return communicator
+
+
+_NOT_A_MEMBER = (
+    "this process (global rank {rank}) is not a member of process_group: pass a group it belongs to "
+    "(the ranks of a group call together, each with its own shard), or process_group=None for one process"
+)
+
+
+def _gather(group, entry: dict, error: Exception | None = None) -> list[dict]:
+    """All-gather every rank's ``entry``; where any rank's holds an ``"error"`` (its
+    input was bad), every rank raises that error (the first such rank's message)."""
+    table: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(table, entry, group=group)
+    for rank, theirs in enumerate(table):
+        if "error" in theirs:
+            kind, message = theirs["error"]
+            raised = (TypeError if kind == "TypeError" else ValueError)(
+                f"{message} (bad input on rank {rank} of process_group; every rank raises this error)"
+            )
+            raise raised from error
+    return table
+
+
+def raise_everywhere(process_group, error: Exception) -> NoReturn:
+    """Raise ``error`` (a ``ValueError`` or ``TypeError`` of this rank's input) on every
+    rank of ``process_group``: where a layer's own checks fail before its collective
+    calls, this takes their place, so that the other ranks raise it in their first
+    collective (:func:`agree`, :func:`shard_start`) instead of waiting for this one."""
+    _gather(communicator_of(process_group).group, {"error": (type(error).__name__, str(error))}, error)
+    raise error  # not reached: the table holds this rank's error, which _gather raises
+
+
 def _settings(call, dropout_p: float) -> dict:
     """What every rank must agree on, by the name used in error messages."""
     batch, _, heads, head_dim = call.shape
@@ -86,6 +150,10 @@ def _settings(call, dropout_p: float) -> dict:
         "dilation_rates": list(call.dilation_rates),
         "softmax_scale": call.scale,
         "dropout_p": dropout_p,
+        # Every rank's backward exchanges gradients with its peers: all build the graph, or none.
+        "whether the call records a graph for backward (grad mode on and q, k or v requiring grad; "
+        "every rank must, and run the backward)": torch.is_grad_enabled()
+        and any(t.requires_grad for t in (call.q, call.k, call.v)),
     }
 
 
@@ -95,28 +163,42 @@ def agree(group, call, dropout_p: float, error: Exception | None) -> tuple[list[
 
     Every rank raises the same error if any rank's input was bad (the first such
     rank's message) or if any setting differs between ranks (the values per rank)."""
+    generator, state = None, None
     if error is None:
+        if dropout_p > 0:
+            # the seed travels with the settings; a call that raises leaves the generator as it was
+            generator = _default_generator(call.q.device)
+            state = None if generator is None else generator.get_state()
         seed = int(draw_seed(call.q.device)) if dropout_p > 0 else None
         mine = {"length": call.shape[1], "seed": seed, "settings": _settings(call, dropout_p)}
     else:
         mine = {"error": (type(error).__name__, str(error))}
-    table: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(table, mine, group=group)
-    for rank, entry in enumerate(table):
-        if "error" in entry:
-            kind, message = entry["error"]
-            raised = (TypeError if kind == "TypeError" else ValueError)(
-                f"{message} (bad input on rank {rank} of process_group; every rank raises this error)"
-            )
-            raise raised from error
-    for name in table[0]["settings"]:
-        values = [entry["settings"][name] for entry in table]
-        if any(value != values[0] for value in values):
-            raise ValueError(
-                f"process_group ranks disagree on {name} (per rank: {values}); every rank must call "
-                "dilated_attention with the same configuration and only its own shard of the sequence"
-            )
+    try:
+        table = _gather(group, mine, error)
+        for name in table[0]["settings"]:
+            values = [entry["settings"][name] for entry in table]
+            if any(value != values[0] for value in values):
+                raise ValueError(
+                    f"process_group ranks disagree on {name} (per rank: {values}); every rank must call "
+                    "dilated_attention with the same configuration and only its own shard of the sequence"
+                )
+    except (ValueError, TypeError):
+        if generator is not None and state is not None:
+            generator.set_state(state)
+        raise
     return [entry["length"] for entry in table], table[0]["seed"]
+
+
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator :func:`draw_seed` draws from on ``device`` (``None`` where the
+    device type keeps no default generators)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device.type)
+    generators = getattr(module, "default_generators", None)
+    if not generators:
+        return None
+    return generators[device.index if device.index is not None else module.current_device()]
 
 
 @dataclass
@@ -264,12 +346,7 @@ def make_exchange(process_group, call, dropout_p: float, error: Exception | None
     """Check that the ranks' inputs are valid and agree (see :func:`agree`), and plan
     this rank's part. ``process_group``: a group or a :class:`Communicator`; ``call``:
     this rank's validated call, or ``None`` with the ``error`` its validation raised."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            "process_group was given but torch.distributed is not initialized: call "
-            "torch.distributed.init_process_group first, or pass process_group=None for one process"
-        )
-    communicator = process_group if isinstance(process_group, Communicator) else Communicator(process_group)
+    communicator = communicator_of(process_group)
     group = communicator.group
     lengths, seed = agree(group, call, dropout_p, error)
     batch, _, heads, dim = call.shape
@@ -291,7 +368,6 @@ def make_exchange(process_group, call, dropout_p: float, error: Exception | None
 def shard_start(process_group, length: int) -> int:
     """The sequence position of this rank's first row, given its shard's ``length``:
     the lower ranks' lengths summed (one small all-gather)."""
-    group = process_group.group if isinstance(process_group, Communicator) else process_group
-    lengths: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(lengths, int(length), group=group)
-    return sum(lengths[: dist.get_rank(group)])
+    group = communicator_of(process_group).group
+    table = _gather(group, {"length": int(length)})
+    return sum(entry["length"] for entry in table[: dist.get_rank(group)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -32,6 +33,22 @@ SEED_LIMIT = 2**63
 
 # Tensor layouts the functional API accepts: ours, and PyTorch SDPA's.
 LAYOUTS = {"bnhd": "(batch, seq_len, heads, head_dim)", "bhnd": "(batch, heads, seq_len, head_dim)"}
+
+
+@contextlib.contextmanager
+def shared_errors(process_group):
+    """A layer's own input checks, before its collective calls: with a ``process_group``
+    a ``ValueError`` or ``TypeError`` raised inside is raised on every rank of it
+    (:func:`dilated_attention.ops.distributed.raise_everywhere`), where the other ranks
+    would otherwise wait in their next collective call for this one."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        if process_group is None:
+            raise
+        from .distributed import raise_everywhere
+
+        raise_everywhere(process_group, error)
 
 
 def type_name(value) -> str:

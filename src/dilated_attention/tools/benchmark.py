@@ -473,8 +473,8 @@ def machine_info(device: torch.device) -> dict:
 def cpu_slug(model: str) -> str:
     """A file-name part for a CPU model name: ``"Intel(R) Xeon(R) Processor"`` ->
     ``"intel-xeon"``, ``"AMD EPYC 7B13"`` -> ``"amd-epyc-7b13"``."""
-    words = re.sub(r"\((r|tm)\)", " ", model.lower())
-    words = [w for w in re.split(r"[^a-z0-9]+", words) if w and w not in ("processor", "cpu")]
+    plain = re.sub(r"\((r|tm)\)", " ", model.lower())
+    words = [w for w in re.split(r"[^a-z0-9]+", plain) if w and w not in ("processor", "cpu")]
     return "-".join(words) or "unknown"
 
 
