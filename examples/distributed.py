@@ -113,6 +113,9 @@ def main():
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if args.seq_len < world:
+        dist.destroy_process_group()
+        raise SystemExit(f"error: --seq-len {args.seq_len} leaves a rank no row: at least one per process ({world})")
     dtype = getattr(torch, args.dtype)
     lengths = shard_lengths(args.seq_len, world)
     lo = sum(lengths[:rank])
