@@ -226,8 +226,9 @@ def test_scales_beyond_what_the_compute_dtype_holds():
         tiny = dilated_attention(q, k, v, [4, 8], [1, 2], is_causal=causal, softmax_scale=1e-46)
         zero = dilated_attention(q, k, v, [4, 8], [1, 2], is_causal=causal, softmax_scale=0.0)
         assert torch.isfinite(tiny).all() and torch.equal(tiny, zero)
-    with pytest.raises(ValueError, match=re.escape("softmax_scale=1e+39 does not fit float32")):
-        dilated_attention(q, k, v, [4], [1], softmax_scale=1e39)
+    for huge in (1e39, -3e38):  # 3e38 fits float32, its product with log2(e) does not
+        with pytest.raises(ValueError, match=re.escape(f"softmax_scale={huge} does not fit float32")):
+            dilated_attention(q, k, v, [4], [1], softmax_scale=huge)
     assert torch.isfinite(dilated_attention(q.double(), k.double(), v.double(), [4], [1], softmax_scale=1e39)).all()
     with pytest.raises(ValueError, match="softmax_scale must be finite"):
         dilated_attention(q, k, v, [4], [1], softmax_scale=10**400)

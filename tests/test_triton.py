@@ -203,6 +203,33 @@ def test_the_kernels_take_any_head_dim_up_to_256_and_long_segments():
     assert_matches_reference(q, k, v, grad, grad_lse, None, torch.float32, attn)
 
 
+def test_head_offsets_past_two_to_the_31_elements_are_exact():
+    """Views whose head stride times head index passes 2**31 elements (a long
+    ``(B, H, N, D)`` tensor): heads 2 and up of q, k, v lie beyond it. Their storage
+    is reserved, not filled (only the views' rows are written), and the rows an int32
+    offset would wrap to hold zeros."""
+    length, heads, dim, stride = 16, 3, 16, 2**30 + 1024
+    try:
+        storage = torch.empty(2**31 + (heads - 1) * stride + 2048 + length * dim, dtype=torch.float16)
+    except RuntimeError as exc:  # the allocation itself (8 GiB of address space, untouched)
+        pytest.skip(f"cannot reserve 8 GiB of address space here: {exc}")
+    gen = torch.Generator().manual_seed(0)
+    views = []
+    for offset in (0, 1, 2):  # q, k, v: one row block each, apart within every head's stride
+        view = storage.as_strided((1, length, heads, dim), (heads * stride, dim, stride, 1), 2**31 + offset * 512)
+        views.append(view.copy_(torch.randn(view.shape, generator=gen)).requires_grad_())
+    grad = torch.randn(1, length, heads, dim, generator=gen, dtype=torch.float16)
+    attn = dict(segment_lengths=[8, 16], dilation_rates=[1, 2], is_causal=True)
+    out = dilated_attention(*views, kernel="triton", **attn)
+    grads = torch.autograd.grad(out, views, grad)
+    exact = [t.detach().double().requires_grad_() for t in views]
+    expected, _ = reference_dilated_attention(*exact, **attn)
+    expected_grads = torch.autograd.grad(expected, exact, grad.double())
+    assert max_relative_error(out, expected) <= TOLERANCES[torch.float16]
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert max_relative_error(got, want) <= TOLERANCES[torch.float16]
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_segment_interiors_take_the_unmasked_tiles_and_stay_exact(is_causal):
     """Long enough segments that whole tiles of keys (forward, dq) and of queries

@@ -120,13 +120,16 @@ def _ring_kernel(
             selected = (query >= 0) & ((query - seg) % r == o) & (key >= seg) & (key <= query)
             count += (selected & ((key - seg) % r == o)).to(tl.float32)
         counted = count > 0
-        k = tl.load(K + ring + n[:, None] * dim + d[None, :], mask=inside[:, None] & (d[None, :] < dim), other=0.0)
+        # int64: a slot's offset (n * dim) passes 2**31 in rings of 2**23 slots of 256
+        cells = ring + n.to(tl.int64)[:, None] * dim + d[None, :]
+        cell_ok = inside[:, None] & (d[None, :] < dim)
+        k = tl.load(K + cells, mask=cell_ok, other=0.0)
         scores = tl.where(counted, tl.sum(k.to(tl.float32) * q[None, :], 1) * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.where(counted, count * tl.exp(scores - m_safe), 0.0)
         alpha = tl.exp(m - m_safe)
-        v = tl.load(V + ring + n[:, None] * dim + d[None, :], mask=inside[:, None] & (d[None, :] < dim), other=0.0)
+        v = tl.load(V + cells, mask=cell_ok, other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
         total = total * alpha + tl.sum(p, 0)
         m = m_new

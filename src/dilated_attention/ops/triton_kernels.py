@@ -268,8 +268,9 @@ def _forward_kernel(
     interior), then the rest, masked."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
+    # int64: a head's offset (h * sq_h) passes 2**31 elements in long (B, H, N, D) views
     b = (bh // num_heads).to(tl.int64)
-    h = bh % num_heads
+    h = (bh % num_heads).to(tl.int64)
     kv_h = h // group_size
     key_start = tl.load(KEY_START + b)
     first_query = num_keys - num_queries  # the key row of query row 0
@@ -531,7 +532,7 @@ def _key_grads_kernel(
     pid = tl.program_id(0)
     bkh = tl.program_id(1)
     b = (bkh // num_kv_heads).to(tl.int64)
-    kv_h = bkh % num_kv_heads
+    kv_h = (bkh % num_kv_heads).to(tl.int64)  # int64: see _forward_kernel
     key_start = tl.load(KEY_START + b)
     first_query = num_keys - num_queries
     rows = _tile_rows(pid, key_start, 0, row_step, BLOCK_N)

@@ -154,18 +154,22 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     return scale
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def kernel_scale(scale: float, dtype: torch.dtype) -> float:
     """``scale`` as the kernels use it for inputs of ``dtype``: they compute scores of
     float32, float16 and bfloat16 inputs in float32, so it is rounded to float32
     (a tiny scale becomes 0, which the kernels must know); one too large for float32
-    is refused."""
+    is refused, as is one whose product with ``log2(e)`` (the Triton kernels' base-2
+    scores) is."""
     if dtype == torch.float64:
         return scale
     try:
         rounded = struct.unpack("f", struct.pack("f", scale))[0]
     except OverflowError:
         rounded = math.inf
-    if math.isinf(rounded):
+    if math.isinf(rounded) or abs(rounded) * math.log2(math.e) > FLOAT32_MAX:
         raise ValueError(
             f"softmax_scale={scale} does not fit float32, in which the scores of {dtype} inputs "
             "are computed: use a smaller scale (fold the rest into q) or float64 inputs"
