@@ -192,7 +192,7 @@ class LongNetLM(nn.Module):
                 raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.blocks)}")
             if cache is not None:
                 check_batch(cache.layers[0].shape[0], tokens.shape[0], "tokens")
-            if positions is not None:
+            if positions is not None and process_group is not None:  # else rotary checks them
                 check_positions(positions, *tokens.shape)
         if positions is None:
             positions = sequence_positions(tokens.shape[1], tokens.device, cache, process_group)

@@ -368,7 +368,7 @@ class MultiheadDilatedAttention(nn.Module):
                 )
             if cache is not None:
                 self._check_cache(cache, query.shape[0], is_causal, key_padding_mask, process_group)
-            if positions is not None:
+            if positions is not None and process_group is not None:  # else rotary checks them
                 check_positions(positions, query.shape[0], query.shape[1])
         heads = (self.num_heads, self.embed_dim // self.num_heads)
         q = self.q_proj(query).unflatten(-1, heads)

@@ -48,14 +48,8 @@ class Communicator:
     earlier layer, adds to that call's, which the caller may have kept)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None):
-        given: object = group
-        if given is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to the others
-            raise ValueError(_NOT_A_MEMBER.format(rank=dist.get_rank()))
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(
-                f"Communicator takes a torch.distributed process group (dist.group.WORLD, dist.new_group(...)) "
-                f"or None for the default group, got {type_name(group)}"
-            )
+        if group is not None:
+            _check_group(group, "Communicator takes a torch.distributed process group or None (the default group)")
         self._group = group
         self.traffic = Traffic()
 
@@ -89,18 +83,27 @@ def communicator_of(process_group) -> Communicator:
         )
     if isinstance(process_group, Communicator):
         communicator = process_group
-    elif process_group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to the others
-        raise ValueError(_NOT_A_MEMBER.format(rank=dist.get_rank()))
-    elif isinstance(process_group, dist.ProcessGroup):
-        communicator = Communicator(process_group)
     else:
-        raise TypeError(
-            "process_group must be a torch.distributed process group (dist.group.WORLD, dist.new_group(...)) "
-            f"or a dilated_attention Communicator, got {type_name(process_group)}"
+        communicator = Communicator(
+            _check_group(
+                process_group,
+                "process_group must be a torch.distributed process group or a dilated_attention Communicator",
+            )
         )
     if dist.get_rank(communicator.group) < 0:
         raise ValueError(_NOT_A_MEMBER.format(rank=dist.get_rank()))
     return communicator
+
+
+def _check_group(group: object, expected: str) -> dist.ProcessGroup:
+    """``group`` itself where it is a process group; else a ``TypeError`` saying
+    ``expected``, or a ``ValueError`` for what ``new_group`` returns to processes
+    outside the group."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(_NOT_A_MEMBER.format(rank=dist.get_rank()))
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{expected} (dist.group.WORLD, dist.new_group(...)), got {type_name(group)}")
+    return group
 
 
 _NOT_A_MEMBER = (
