@@ -177,6 +177,11 @@ def test_kernel_choice_is_explicit_and_never_silently_changed(monkeypatch):
             fused.use_triton(q.to(dtype), dropout, distributed, "triton")
     with pytest.raises(ValueError, match="head_dim 300 is above 256"):
         fused.use_triton(torch.randn(1, 2, 1, 300), 0.0, False, "triton")
+    # a launch's grid holds at most 65535 heads and batch rows (CUDA's y and z limits)
+    for shape in [(fused.MAX_GRID_YZ + 1, 1, 1, 16), (1, 1, fused.MAX_GRID_YZ + 1, 16)]:
+        with pytest.raises(ValueError, match=r"at most 65535 batch rows and 65535 heads.*split the batch"):
+            fused.use_triton(torch.empty(shape).normal_(), 0.0, False, "triton")
+    assert fused.use_triton(torch.randn(fused.MAX_GRID_YZ, 1, 1, 16), 0.0, False, "triton")
     with pytest.raises(ValueError, match="kernel must be one of"):
         dilated_attention(q, q, q, [4], [1], kernel="cuda")
     monkeypatch.setenv(fused.KERNEL_ENV, "fast")
@@ -253,6 +258,12 @@ def test_check_says_which_kernels_ran(capsys):
     assert "kernels: torch (CpuFlashKernel on each block of the plan)" in capsys.readouterr().out
     described = fused.describe(torch.empty(1, 1, 1, 16), kernel="triton")
     assert described == "triton (the fused kernels: every branch in one launch in Triton's interpreter)"
+    # a dtype the Triton kernels do not take: refused before any case runs, naming the flag's fix
+    assert main(["check", "--dtype", "float32", "float64", "--kernel", "triton"]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert "--kernel triton cannot check float64: torch.float64 is not fused" in printed.err
+    assert "pass --dtype with those only, or use --kernel auto or torch" in printed.err
 
 
 def test_the_kernels_compile_for_the_gpus_they_target():

@@ -36,6 +36,8 @@ MAX_HEAD_DIM = 256
 AUTO_MIN_HEAD_DIM = 16
 AUTO_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Batch rows and heads a launch takes at most: its grid's y and z extents (CUDA's limit).
+MAX_GRID_YZ = 65535
 
 
 def requested(kernel: str | None) -> str:
@@ -69,6 +71,11 @@ def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool, capturabl
         return f"{q.dtype} is not fused (float16, bfloat16 and float32 are)"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q.shape[-1]} is above {MAX_HEAD_DIM}"
+    if q.shape[0] > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ:
+        return (
+            f"a launch takes at most {MAX_GRID_YZ} batch rows and {MAX_GRID_YZ} heads (CUDA's grid limit), "
+            f"got {q.shape[0]} and {q.shape[2]}: split the batch"
+        )
     if not _triton_installed():
         return "Triton is not installed (it comes with PyTorch's CUDA builds; pip install triton)"
     if q.device.type == "cpu":

@@ -239,7 +239,6 @@ def _forward_kernel(
     sl_h,
     num_queries,
     num_keys,
-    num_heads,
     group_size,
     scale_log2,
     scale,
@@ -267,10 +266,9 @@ def _forward_kernel(
     row of the tile attends in full (no mask, no bounds: the fast path of a segment
     interior), then the rest, masked."""
     pid = tl.program_id(0)
-    bh = tl.program_id(1)
     # int64: a head's offset (h * sq_h) passes 2**31 elements in long (B, H, N, D) views
-    b = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     kv_h = h // group_size
     key_start = tl.load(KEY_START + b)
     first_query = num_keys - num_queries  # the key row of query row 0
@@ -507,7 +505,6 @@ def _key_grads_kernel(
     sdv_h,
     num_queries,
     num_keys,
-    num_kv_heads,
     group_size,
     scale_log2,
     scale,
@@ -530,9 +527,8 @@ def _key_grads_kernel(
     and segment the query tiles split in three loops: masked ones up to where every
     query follows every owned key, unmasked whole tiles, a masked last one."""
     pid = tl.program_id(0)
-    bkh = tl.program_id(1)
-    b = (bkh // num_kv_heads).to(tl.int64)
-    kv_h = (bkh % num_kv_heads).to(tl.int64)  # int64: see _forward_kernel
+    kv_h = tl.program_id(1).to(tl.int64)  # int64: see _forward_kernel
+    b = tl.program_id(2).to(tl.int64)
     key_start = tl.load(KEY_START + b)
     first_query = num_keys - num_queries
     rows = _tile_rows(pid, key_start, 0, row_step, BLOCK_N)
@@ -812,14 +808,15 @@ class Launch:
             (start + first_row + rows - 1) // span - (start + first_row) // span + 1 for start in self.key_starts
         )
 
-    def query_grid(self, meta) -> tuple[int, int]:
-        """The forward's and the dq pass's grid: query tiles x (batch row, head)."""
+    def query_grid(self, meta) -> tuple[int, int, int]:
+        """The forward's and the dq pass's grid: query tiles x heads x batch rows (each
+        of the last two at most :data:`~dilated_attention.ops.fused.MAX_GRID_YZ`)."""
         first_query = self.num_keys - self.num_queries
-        return self.tiles(first_query, self.num_queries, meta["BLOCK_M"]), self.batch * self.num_heads
+        return self.tiles(first_query, self.num_queries, meta["BLOCK_M"]), self.num_heads, self.batch
 
-    def key_grid(self, meta) -> tuple[int, int]:
-        """The dk/dv pass's grid: key tiles x (batch row, key head)."""
-        return self.tiles(0, self.num_keys, meta["BLOCK_N"]), self.batch * self.num_kv_heads
+    def key_grid(self, meta) -> tuple[int, int, int]:
+        """The dk/dv pass's grid: key tiles x key heads x batch rows."""
+        return self.tiles(0, self.num_keys, meta["BLOCK_N"]), self.num_kv_heads, self.batch
 
     def run(self, kernel, kind: str, grid, *args, **constexprs) -> None:
         """Launch ``kernel`` for pass ``kind``: with the interpreter's small fixed tiles;
@@ -882,7 +879,6 @@ def forward(
         *lse.stride(),
         launch.num_queries,
         launch.num_keys,
-        launch.num_heads,
         launch.group_size,
         scale * LOG2E,
         scale,
@@ -958,7 +954,6 @@ def backward(
         *strides,
         launch.num_queries,
         launch.num_keys,
-        launch.num_heads,
         launch.group_size,
         *scales,
         BACKWARD=True,
@@ -982,7 +977,6 @@ def backward(
         *dv.stride()[:3],
         launch.num_queries,
         launch.num_keys,
-        launch.num_kv_heads,
         launch.group_size,
         *scales,
     )

@@ -43,10 +43,22 @@ def _cmd_check(args) -> int:
 
     device_type(args.device)
     generator = torch.Generator().manual_seed(args.seed)
+    device = torch.device(args.device)
+    paths = {}
+    for name in args.dtype:  # every dtype's kernels before any case runs
+        try:
+            paths[name] = fused.describe(
+                torch.empty(1, 1, 1, 16, dtype=DTYPES[name], device=device), kernel=args.kernel
+            )
+        except ValueError as error:
+            reason = str(error).split(": ", 1)[-1].split("; ")[0]
+            fix = "" if DTYPES[name] in fused.TRITON_DTYPES else "pass --dtype with those only, "
+            raise ValueError(
+                f"--kernel {args.kernel} cannot check {name}: {reason}; {fix}or use --kernel auto or torch"
+            ) from None
     failed = 0
-    for name in args.dtype:
-        device, dtype = torch.device(args.device), DTYPES[name]
-        path = fused.describe(torch.empty(1, 1, 1, 16, dtype=dtype, device=device), kernel=args.kernel)
+    for name, path in paths.items():
+        dtype = DTYPES[name]
         results = [run_case(c, device, dtype, generator, args.kernel) for c in default_cases()]
         failed += sum(not r.ok for r in results)
         print(f"\n{name} on {args.device}: library vs float64 reference (seed {args.seed}); kernels: {path}")
