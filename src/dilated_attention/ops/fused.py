@@ -8,8 +8,9 @@ The choice, per call: the ``kernel`` argument of
 ``DILATED_ATTENTION_KERNEL``, else ``"auto"``:
 
 - ``"auto"``: the Triton kernels on CUDA for float16 and bfloat16 inputs with head
-  dims 16 to 256, without dropout and on one process, when Triton is importable and
-  the call is not being compiled or captured; PyTorch's kernels for everything else;
+  dims 16 to 256, at most 65,535 batch rows and heads, without dropout and on one
+  process, when Triton is importable and the call is not being compiled or captured;
+  PyTorch's kernels for everything else;
 - ``"triton"``: the Triton kernels, or a ``ValueError`` saying why they cannot run
   this call (never a silent fallback). They also take float32 (exact dots, no TF32)
   and any head dim up to 256; on the CPU they run in Triton's interpreter, which
