@@ -264,8 +264,22 @@ def test_the_multihead_module_checks_its_cache():
 def test_sampling_survives_tiny_temperatures_and_refuses_nan_logits():
     logits = torch.tensor([[3.0, 90.0, -5.0]])
     assert int(sample_next(logits, temperature=1e-39)) == 1
-    with pytest.raises(ValueError, match="logits are not all finite"):
-        sample_next(torch.tensor([[0.0, float("nan")]]))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="logits hold NaN or \\+inf"):
+            sample_next(torch.tensor([[0.0, bad]]))
+    with pytest.raises(ValueError, match="-inf throughout: every token is banned"):
+        sample_next(torch.tensor([[0.0, 1.0], [-math.inf, -math.inf]]))
+
+
+def test_sampling_never_draws_a_token_banned_by_a_minus_inf_logit():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 7, generator=gen)
+    logits[:, [0, 4]] = -math.inf
+    logits[1, [1, 3, 5, 6]] = -math.inf  # token 2 alone left in row 1
+    for kw in ({}, {"temperature": 0}, {"temperature": 5.0}, {"top_k": 6}, {"top_p": 0.9}, {"temperature": 1e-300}):
+        drawn = torch.stack([sample_next(logits, generator=gen, **kw) for _ in range(200)])
+        assert not torch.isin(drawn, torch.tensor([0, 4])).any() and torch.all(drawn[:, 1] == 2), kw
+        assert len(set(drawn[:, 0].tolist())) > 1 or kw.get("temperature", 1) < 1e-3
 
 
 def test_generation_under_autocast_uses_a_cache_of_the_autocast_dtype():

@@ -229,6 +229,23 @@ def test_grid_attention_with_one_whole_segment_does_not_depend_on_the_order():
         GridAttention(mha, "spiral")
 
 
+def test_grid_attention_lays_rotary_positions_out_with_the_tokens():
+    """With one whole segment, rotary attention at positions given per token does not
+    depend on the order the tokens run in, if each token keeps its position: ``(N,)`` and
+    ``(B, N)`` positions, given in ``x``'s row-major order, move with the tokens."""
+    from dilated_attention import GridAttention
+    from dilated_attention.nn.rotary import RotaryEmbedding
+
+    mha = _mha(segment_lengths=[64], dilation_rates=[1], rotary=RotaryEmbedding(4))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 1 + 5 * 6, 12, generator=gen, dtype=torch.float64)
+    for positions in (torch.randperm(31, generator=gen) * 3, torch.randint(0, 99, (2, 31), generator=gen)):
+        plain, _ = mha(x, positions=positions)
+        for kind in ORDERS:
+            out, _ = GridAttention(mha, kind, extra_tokens=1)(x, grid=(5, 6), positions=positions)
+            assert torch.allclose(out, plain, rtol=1e-12, atol=1e-12), kind
+
+
 def _torchscale_longvit_attention(q, k, v, segment_lengths, dilation_rates):
     """LongViT's (torchscale's ``DilatedAttention``) computation, one process, in plain
     torch, for sequences a multiple of every segment and segments a multiple of every

@@ -122,6 +122,53 @@ def test_gradients_reach_the_queries_of_every_step(dtype):
     assert max_relative_error(out, ref) <= TOLERANCES[dtype] and max_relative_error(dq, ref_dq) <= TOLERANCES[dtype]
 
 
+@pytest.mark.parametrize("kind", [StaticKVCache, DilatedKVCache])
+def test_rows_with_no_key_or_a_nonfinite_query_pass_no_gradient(kind):
+    """A left-padded row's padding, a head no branch selects at a position (r = 2 and 4)
+    and a query holding NaN: their outputs follow the definition (0, 0, NaN) and their
+    queries get gradient 0; every other query the reference's gradient."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, grad = (torch.randn(2, 7, 4, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    q[0, 5, 1, 2] = float("nan")
+    q.requires_grad_()
+    attn = dict(segment_lengths=[4, 8], dilation_rates=[2, 4])
+    chunk = {"max_chunk": 2} if kind is StaticKVCache else {}
+    cache = kind(2, 4, 8, **attn, start=torch.tensor([0, -3]), dtype=torch.float64, **chunk)
+    out = feed(cache, (q, k, v), [2, 1, 2, 2])
+    (dq,) = torch.autograd.grad(out, q, grad)
+    assert torch.isfinite(dq).all()
+    assert torch.isnan(out[0, 5, 1]).all() and torch.isfinite(out[0, :, [0, 2, 3]]).all()
+    assert torch.all(out[1, :3] == 0) and torch.all(dq[1, :3] == 0) and torch.all(dq[0, 5, 1] == 0)
+    clean = q.detach().clone()
+    clean[0, 5, 1] = 0.0  # the other rows do not depend on it
+    for row, first in ((0, 0), (1, 3)):  # row 1's text starts at its slot 3
+        ref_q = clean[row : row + 1, first:].requires_grad_()
+        kv = (k[row : row + 1, first:], v[row : row + 1, first:])
+        ref, _ = reference_dilated_attention(ref_q, *kv, **attn, is_causal=True)
+        (ref_dq,) = torch.autograd.grad(ref, ref_q, grad[row : row + 1, first:])
+        if row == 0:
+            ref_dq[0, 5, 1] = 0.0
+            ref[0, 5, 1] = float("nan")
+        assert torch.equal(torch.isnan(out[row : row + 1, first:]), torch.isnan(ref))
+        assert max_relative_error(out[row : row + 1, first:].nan_to_num(), ref.nan_to_num()) <= 1e-12
+        assert max_relative_error(dq[row : row + 1, first:], ref_dq) <= 1e-12
+    assert (out[:, :, :, 0] == 0).any()  # some head attended to no key
+
+
+def test_a_cache_made_under_inference_mode_serves_outside_it():
+    """Its tensors, inference tensors, are copied on the first step outside that mode
+    (they cannot be written in place there), after a reset too."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 6, 2, 4, generator=gen) for _ in range(3))
+    with torch.inference_mode():
+        static, dynamic = StaticKVCache(1, 2, 4, [4], [1], max_chunk=3), DilatedKVCache(1, 2, 4, [4], [1])
+        feed(static, (q, k, v), [3])
+    static.reset()
+    with torch.no_grad():
+        outs = [feed(cache, (q, k, v), [3, 1, 2]) for cache in (static, dynamic)]
+    assert max_relative_error(outs[0], outs[1]) <= 1e-6 and static.position.tolist() == [6]
+
+
 def test_static_cache_matches_the_dynamic_one_and_reorders():
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(3, 30, 2, 4, generator=gen) for _ in range(3))

@@ -27,7 +27,8 @@ def sample_next(
 ) -> torch.Tensor:
     """``logits`` ``(B, V)`` -> ``(B,)`` token ids: the likeliest with ``temperature=0``,
     else drawn from ``softmax(logits / temperature)`` kept to the ``top_k`` likeliest
-    tokens and to the smallest set whose probability reaches ``top_p``."""
+    tokens and to the smallest set whose probability reaches ``top_p``. A ``-inf``
+    logit bans its token (each row needs one finite logit); NaN and ``+inf`` are refused."""
     _check_sampling(temperature, top_k, top_p)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError("logits must be a floating-point tensor of shape (batch, vocab_size)")
@@ -35,8 +36,10 @@ def sample_next(
     # overflowing the likeliest token's 0, so a tiny temperature samples the likeliest
     # tokens (uniformly among ties), as its limit does.
     logits = logits.double()
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("the model's logits are not all finite (NaN or infinity): the weights have diverged")
+    if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
+        raise ValueError("the model's logits hold NaN or +inf: the weights have diverged")
+    if bool(torch.isneginf(logits).all(-1).any()):
+        raise ValueError("a row of logits is -inf throughout: every token is banned, none can be drawn")
     if temperature == 0:
         return logits.argmax(-1)
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature

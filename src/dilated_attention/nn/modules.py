@@ -402,7 +402,8 @@ class GridAttention(nn.Module):
     ``attention`` on the sequence in ``order`` (see :mod:`dilated_attention.nn.ordering`)
     and returns its output in the caller's order: a ViT block changes the order its
     segments follow without touching its data pipeline. ``batch_first=False``
-    modules take and return ``(N, B, embed_dim)``.
+    modules take and return ``(N, B, embed_dim)``. A ``key_padding_mask`` and rotary
+    ``positions`` (``(N,)`` or ``(B, N)``, one per token of ``x``) are laid out with ``x``.
 
     With ``process_group``, ``x`` is this rank's contiguous piece of the *ordered*
     sequence (:func:`dilated_attention.nn.ordering.shard` cuts it, as LongViT gives each
@@ -438,5 +439,8 @@ class GridAttention(nn.Module):
         mask = None
         if key_padding_mask is not None:  # (B, N) in either layout
             mask = apply(key_padding_mask, order, self.extra_tokens, name="key_padding_mask")
+        positions = kwargs.get("positions")
+        if isinstance(positions, torch.Tensor) and positions.dim() in (1, 2):  # the attention checks the rest
+            kwargs["positions"] = apply(positions, order, self.extra_tokens, positions.dim() - 1, name="positions")
         out, *rest = self.attention(x, key_padding_mask=mask, **kwargs)
         return (invert(out, order, self.extra_tokens, dim), *rest)

@@ -95,7 +95,7 @@ class StaticKVCache(CacheSettings):
         reset in place: a CUDA graph captured on this cache stays valid."""
         starts = check_starts(start, self.shape[0], self.segment_lengths)
         batch, heads, dim = self.shape
-        if getattr(self, "_k", None) is None:
+        if getattr(self, "_k", None) is None or self._made_for_inference_only():
             ring = (batch, heads, self.capacity, dim)
             self._k = torch.zeros(ring, dtype=self.dtype, device=self.device)
             self._v = torch.zeros(ring, dtype=self.dtype, device=self.device)
@@ -106,6 +106,11 @@ class StaticKVCache(CacheSettings):
             t.zero_()
         self._key_positions.fill_(EMPTY)
         self._next.copy_(torch.tensor(starts, dtype=torch.int64))
+
+    def _made_for_inference_only(self) -> bool:
+        """Whether the tensors were made under ``torch.inference_mode()`` and this call
+        is outside it, where they cannot be written in place."""
+        return not torch.compiler.is_compiling() and self._k.is_inference() and not torch.is_inference_mode_enabled()
 
     @property
     def position(self) -> torch.Tensor:
@@ -137,6 +142,9 @@ class StaticKVCache(CacheSettings):
             self._check_inputs(q, k, v, self.max_chunk)  # raises, saying what is wrong
         batch, heads, dim = self.shape
         length = q.shape[1]
+        if self._made_for_inference_only():  # copies that later steps may write in place
+            for name in ("_k", "_v", "_key_positions", "_bad", "_next"):
+                setattr(self, name, getattr(self, name).clone())
         if self._takes_kernel(q):
             return self._attend_fused(q, k, v)
         queries = self._next[:, None] + torch.arange(length, device=self.device)  # (B, L)
@@ -155,13 +163,18 @@ class StaticKVCache(CacheSettings):
         # leave alone (in float32 `.to` alone would hand it the ring itself).
         saved = torch.is_grad_enabled() and q.requires_grad
         keys, values = (ring.to(acc, copy=saved) for ring in (self._k, self._v))
-        scores = torch.matmul(q.transpose(1, 2).to(acc), keys.transpose(-1, -2)) * self._kernel_scale
-        weights = torch.softmax(scores + count.to(acc).sub(1).log1p(), dim=-1)
-        out = torch.matmul(weights.nan_to_num(0.0), values)
+        # Every row's softmax finite, its backward too (non-finite keys are stored as 0):
+        # a non-finite query row as 0, a row with no key over no bias; the definition's
+        # rules below then set both rows, passing them no gradient.
+        queries = q.transpose(1, 2).to(acc)
+        q_bad = ~torch.isfinite(queries).all(-1)  # (B, H, L)
+        some = attended.any(-1)
+        scores = torch.matmul(queries.masked_fill(q_bad[..., None], 0.0), keys.transpose(-1, -2)) * self._kernel_scale
+        bias = count.to(acc).sub(1).log1p().masked_fill(~some[..., None], 0.0)
+        out = torch.matmul(torch.softmax(scores + bias, dim=-1), values)
         # The definition's rules: a row with no key outputs 0, one a non-finite value
         # reaches (its query, or a key it attends) outputs NaN.
-        some = attended.any(-1)
-        reached = (attended & self._bad[:, :, None, :]).any(-1) | ~torch.isfinite(q).all(-1).transpose(1, 2)
+        reached = (attended & self._bad[:, :, None, :]).any(-1) | q_bad
         out = out.masked_fill((reached & some)[..., None], math.nan).masked_fill(~some[..., None], 0.0)
         self._next += length
         return (out * self._out_scale).to(self.dtype).transpose(1, 2)
