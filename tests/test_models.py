@@ -66,6 +66,9 @@ def test_cached_chunks_give_the_logits_of_one_full_forward(case):
         start += size
     assert torch.equal(cache.position, torch.full((case["batch"],), start))
     assert relative_error(torch.cat(parts, 1), full) <= 1e-9
+    keep = case["chunks"][0]  # the last tokens' logits alone (what scoring the end of a text reads)
+    with torch.no_grad():
+        assert relative_error(model(tokens, logits_to_keep=keep), full[:, -keep:]) <= 1e-12
 
 
 def test_cache_memory_stays_bounded_over_many_segments():

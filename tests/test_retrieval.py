@@ -223,6 +223,14 @@ def test_evaluate_by_default_works_for_a_context_shorter_than_an_example(tmp_pat
     with open(os.path.join(run, "retrieval-passkey.json")) as f:
         scores = json.load(f)["scores"]
     assert [(s["distance"], s["length"]) for s in scores] == [(14, 28)]  # the shortest, beyond the context
+    # before any work: an output file that cannot be written, a length that cannot fit
+    os.makedirs(tmp_path / "out" / "retrieval-recall.png")
+    assert main(["evaluate", "--run", run, "--task", "recall", "--out", str(tmp_path / "out")]) == 2
+    assert "retrieval-recall.png is a folder" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "out") == ["retrieval-recall.png"]
+    assert main(["evaluate", "--run", run, "--task", "recall", "--max-distance", str(2**39)]) == 2
+    err = capsys.readouterr().err
+    assert f"a forward pass over 8 examples of {2**39 + 10} bytes take" in err and "--max-distance" in err
 
 
 def test_evaluate_refuses_an_output_that_is_a_file_before_any_work(tmp_path, capsys):

@@ -682,6 +682,18 @@ def test_empty_folder_names_and_damaged_logs_are_refused(tmp_path, text_file, ca
         with pytest.raises(SystemExit):
             main(argv)
         assert "must name a folder, got an empty string" in capsys.readouterr().err
+    # --data "" named the current folder; a path the file system gave in other bytes
+    # than UTF-8 made a run that PyTorch could not load back
+    for argv, fragment in (
+        (["train", "--data", " "], "argument --data: must name a file or folder, got an empty string"),
+        (["train", "--out", "r\udcff/run"], "argument --out: must be a path in UTF-8"),
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert fragment in capsys.readouterr().err
+    assert not os.path.exists("r\udcff")
+    with pytest.raises(ValueError, match="data must name a file or folder, got an empty path"):
+        TrainSettings(data="")
     run = tmp_path / "run"
     train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
     log = (run / "log.jsonl").read_text()

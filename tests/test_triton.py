@@ -251,7 +251,7 @@ def test_segment_interiors_take_the_unmasked_tiles_and_stay_exact(is_causal):
     assert_matches_reference(q, k, v, grad, grad_lse, None, torch.float32, attn)
 
 
-def test_check_says_which_kernels_ran(capsys):
+def test_check_says_which_kernels_ran(capsys, monkeypatch):
     from dilated_attention.tools.cli import main
 
     assert main(["check", "--dtype", "float32", "--kernel", "torch"]) == 0
@@ -264,6 +264,12 @@ def test_check_says_which_kernels_ran(capsys):
     assert printed.out == ""
     assert "--kernel triton cannot check float64: torch.float64 is not fused" in printed.err
     assert "pass --dtype with those only, or use --kernel auto or torch" in printed.err
+    monkeypatch.setenv(fused.KERNEL_ENV, "bogus")  # the variable's own message, not a dtype's
+    assert main(["check", "--dtype", "float32"]) == 2
+    assert "error: DILATED_ATTENTION_KERNEL must be one of" in capsys.readouterr().err
+    monkeypatch.setenv(fused.KERNEL_ENV, "triton")
+    assert main(["check", "--dtype", "float64"]) == 2
+    assert "error: DILATED_ATTENTION_KERNEL=triton cannot check float64" in capsys.readouterr().err
 
 
 def test_the_kernels_compile_for_the_gpus_they_target():

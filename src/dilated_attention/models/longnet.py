@@ -175,6 +175,7 @@ class LongNetLM(nn.Module):
         cache: LongNetCache | None = None,
         process_group=None,
         positions: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """``tokens`` ``(B, N)`` ints in ``[0, vocab_size)`` -> logits ``(B, N, vocab_size)``
         (float32, or the parameters' dtype).
@@ -183,8 +184,12 @@ class LongNetLM(nn.Module):
         sequences. ``process_group``: ``tokens`` are this rank's contiguous shard of
         each sequence. ``positions``: the tokens' absolute positions (``(N,)`` or
         ``(B, N)``), which the cache or the shard otherwise supply.
+        ``logits_to_keep``: where positive, the logits of the last ``logits_to_keep``
+        tokens only, ``(B, min(N, logits_to_keep), vocab_size)`` (what scoring or
+        sampling the end of a long sequence needs, without the others' memory).
         """
         with validation.shared_errors(process_group):  # before any collective call: raised on every rank
+            logits_to_keep = validation.check_non_negative_int(logits_to_keep, "logits_to_keep")
             self._check_tokens(tokens)
             if cache is not None and not isinstance(cache, LongNetCache):
                 raise TypeError(f"cache must come from model.new_cache, got {validation.type_name(cache)}")
@@ -203,7 +208,7 @@ class LongNetLM(nn.Module):
                 x = checkpoint(block, x, positions, None, process_group, use_reentrant=False)
             else:
                 x = block(x, positions, None if cache is None else cache.layers[i], process_group)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x[:, -logits_to_keep:] if logits_to_keep else x))
 
     def _check_tokens(self, tokens) -> None:
         if not isinstance(tokens, torch.Tensor):

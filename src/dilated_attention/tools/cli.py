@@ -44,18 +44,16 @@ def _cmd_check(args) -> int:
     device_type(args.device)
     generator = torch.Generator().manual_seed(args.seed)
     device = torch.device(args.device)
+    kernel = fused.requested(args.kernel)  # a bad choice (or $DILATED_ATTENTION_KERNEL) raises here
     paths = {}
     for name in args.dtype:  # every dtype's kernels before any case runs
-        try:
-            paths[name] = fused.describe(
-                torch.empty(1, 1, 1, 16, dtype=DTYPES[name], device=device), kernel=args.kernel
-            )
-        except ValueError as error:
-            reason = str(error).split(": ", 1)[-1].split("; ")[0]
+        sample = torch.empty(1, 1, 1, 16, dtype=DTYPES[name], device=device)
+        reason = fused.why_not_triton(sample, 0.0, False) if kernel == "triton" else None
+        if reason is not None:
             fix = "" if DTYPES[name] in fused.TRITON_DTYPES else "pass --dtype with those only, "
-            raise ValueError(
-                f"--kernel {args.kernel} cannot check {name}: {reason}; {fix}or use --kernel auto or torch"
-            ) from None
+            given = "--kernel triton" if args.kernel else f"{fused.KERNEL_ENV}=triton"
+            raise ValueError(f"{given} cannot check {name}: {reason}; {fix}or use --kernel auto or torch")
+        paths[name] = fused.describe(sample, kernel=kernel)
     failed = 0
     for name, path in paths.items():
         dtype = DTYPES[name]

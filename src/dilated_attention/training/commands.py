@@ -81,7 +81,11 @@ def add_train(sub, add_command) -> None:
     model.add_argument(
         "--config", metavar="JSON", help="a LongNetConfig as a JSON file, instead of --preset (default: the preset)"
     )
-    p.add_argument("--data", help="a UTF-8 text file or a folder of them (default: the standard library's sources)")
+    p.add_argument(
+        "--data",
+        type=file_or_folder,
+        help="a UTF-8 text file or a folder of them (default: the standard library's sources)",
+    )
     defaults = TrainSettings()
     for option, name, kind, text in _SETTINGS:
         shown = {"minutes": "no limit", "context": f"{defaults.context}, or the longest segment if longer"}.get(
@@ -175,9 +179,24 @@ def add_device_option(p) -> None:
 
 
 def folder(text: str) -> str:
-    """An argparse type: a folder's path, not empty."""
+    """An argparse type: a folder's path, not empty, in UTF-8."""
+    return _path(text, "a folder")
+
+
+def file_or_folder(text: str) -> str:
+    """An argparse type: a file's or folder's path, not empty, in UTF-8."""
+    return _path(text, "a file or folder")
+
+
+def _path(text: str, what: str) -> str:
     if not text.strip():
-        raise argparse.ArgumentTypeError("must name a folder, got an empty string")
+        raise argparse.ArgumentTypeError(f"must name {what}, got an empty string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the file system gave back as surrogates
+        raise argparse.ArgumentTypeError(
+            f"must be a path in UTF-8 (PyTorch's checkpoint files take no other), got {text!r}: rename it"
+        ) from None
     return text
 
 

@@ -20,7 +20,8 @@ from torch.nn import functional as F
 from ..ops import validation
 from . import tasks
 
-Model = Callable[[torch.Tensor], torch.Tensor]  # tokens (B, N) int64 -> logits (B, N, 256)
+# tokens (B, N) int64 -> logits (B, N', 256) of the last N' positions (N' > the answer's bytes)
+Model = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -152,6 +153,13 @@ def plot(results: Sequence[tuple[str, RetrievalResult]], path: str, title: str) 
     )
 
 
+def activation_bytes(config) -> int:
+    """About the bytes a forward pass without gradients holds per position of each
+    sequence at its peak (a block's activations, the attention's buffers), for
+    refusing lengths that cannot fit before any work."""
+    return 4 * (8 * config.dim + config.ffn_dim)
+
+
 def branch_reach(segment_lengths: Sequence[int], dilation_rates: Sequence[int]) -> list[tuple[str, int]]:
     """Each branch's segment length, labelled: no query attends further back."""
     return [(f"w={w}, r={r}", w) for w, r in zip(segment_lengths, dilation_rates, strict=True)]
@@ -173,7 +181,8 @@ def evaluate_run(
     the task's shortest distance); write ``retrieval-<task>.json``, ``.txt``
     and ``.png`` into ``out`` (default: the run folder). A passkey hides in text of
     the run's validation split."""
-    from ..utils.files import check_output_folder, write_results
+    from ..utils.files import check_output_file, check_output_folder, write_results
+    from ..utils.memory import check_fits
     from .data import load_corpus
     from .run_folder import read_run_config
     from .trainer import load_model
@@ -183,11 +192,29 @@ def evaluate_run(
     if max_distance is None:
         max_distance = max(settings.context - tasks.min_length(task, 0), tasks.min_distance(task))
     max_distance = validation.check_int(max_distance, "max_distance", tasks.min_distance(task), 2**40)
-    check_output_folder(*((run_dir, "the run folder") if out is None else (out, "out")))
-    model = load_model(run_dir, device or "cpu")
+    batch_size = validation.check_positive_int(batch_size, "batch_size")
+    folder, option = (run_dir, "the run folder") if out is None else (out, "out")
+    check_output_folder(folder, option)
+    stem = os.path.join(folder, f"retrieval-{task}")
+    for extension in (".json", ".txt", ".png"):
+        check_output_file(stem + extension, option)
+    longest = max(settings.context, tasks.min_length(task, max(distances(task, max_distance))))
+    device = torch.device(device or "cpu")
+    check_fits(
+        min(batch_size, examples) * longest * activation_bytes(config),
+        device,
+        f"a forward pass over {min(batch_size, examples)} examples of {longest} bytes",
+        "pass a smaller max_distance (--max-distance) or batch_size (--batch-size)",
+    )
+    model = load_model(run_dir, device)
     filler = load_corpus(settings.data).validation if task == "passkey" else None
+    keep = tasks.answer_length(task) + 1  # the logits scoring reads: the answer's, and the one before
+
+    def last_logits(tokens: torch.Tensor) -> torch.Tensor:
+        return model(tokens, logits_to_keep=keep)
+
     result = score(
-        model,
+        last_logits,
         task,
         settings.context,
         distances(task, max_distance),
@@ -206,9 +233,7 @@ def evaluate_run(
         "examples": examples,
         "seed": seed,
     }
-    out = run_dir if out is None else out
-    os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"retrieval-{task}")
+    os.makedirs(folder, exist_ok=True)
     write_results(stem, to_json(result), format_table(result))
     plot(
         [(os.path.basename(os.path.normpath(run_dir)), result)],

@@ -82,6 +82,8 @@ class TrainSettings:
                 self.data = os.fspath(self.data)
             except TypeError:
                 raise TypeError(f"data must be a path or None, got {validation.type_name(self.data)}") from None
+            if not self.data.strip():
+                raise ValueError("data must name a file or folder, got an empty path: pass None for the default")
 
     def learning_rate(self, step: int) -> float:
         """The learning rate of step ``step`` (0-based)."""

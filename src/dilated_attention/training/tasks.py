@@ -59,15 +59,20 @@ def min_distance(task: str) -> int:
     return _PAIR
 
 
+def answer_length(task: str) -> int:
+    """The bytes of an answer (digits): the last bytes of every example of ``task``."""
+    return PASSKEY_DIGITS if check_task(task) == "passkey" else RECALL_VALUE
+
+
 def min_length(task: str, distance: int) -> int:
     """The shortest example with the fact ``distance`` bytes before the answer."""
     fact = len(PASSKEY_FACT) if check_task(task) == "passkey" else 1 + RECALL_KEY + 1
-    return fact + distance + (PASSKEY_DIGITS if task == "passkey" else RECALL_VALUE)
+    return fact + distance + answer_length(task)
 
 
 def chance(task: str) -> float:
     """The accuracy of guessing the answer: uniform digits."""
-    return 10.0 ** -(PASSKEY_DIGITS if check_task(task) == "passkey" else RECALL_VALUE)
+    return 10.0 ** -answer_length(task)
 
 
 def make_example(
