@@ -433,6 +433,27 @@ def test_flexattention_peer_computes_the_same_mixture(is_causal):
     assert (out - expected).abs().max() < 1e-5
 
 
+def test_a_flexattention_that_does_not_compile_is_a_failed_row(monkeypatch):
+    """Where the compiler fails on FlexAttention (PyTorch's CPU code generation does on
+    some versions), the row says so in one line and the other rows run."""
+
+    def uncompilable(*args, **kwargs):
+        def fn(q, k, v):
+            raise RuntimeError("CppCompileError: C++ compile error\n" + "generated code\n" * 500)
+
+        return fn
+
+    monkeypatch.setattr(benchmark, "flex_mixture", uncompilable)
+    cfg = benchmark.BenchConfig(seq_lens=[64], segment_lengths=[16, 32], dilation_rates=[1, 2], heads=2, head_dim=8)
+    row = benchmark.measure("flex", 64, cfg, None)
+    assert row.fwd_ms is None and row.note == (
+        "failed: FlexAttention did not compile here (RuntimeError: CppCompileError: C++ compile error)"
+    )
+    monkeypatch.setattr(benchmark, "flex_mixture", lambda *a, **k: lambda q, k, v: q.new_zeros(()).item(""))
+    with pytest.raises(TypeError):  # a bad argument is not a compiler's failure
+        benchmark.measure("flex", 64, cfg, None)
+
+
 def test_bench_names_the_kernels_and_the_floor_of_each_row(tmp_path):
     args = [arg if arg != "mixture" else "dense" for arg in TINY_BENCH]
     args[args.index("dense") + 1 : args.index("dense") + 1] = ["mixture", "mixture-torch"]

@@ -504,7 +504,16 @@ def measure(
     if predicted_s is not None and predicted_s > cfg.max_seconds:
         row.note = f"skipped: predicted {predicted_s:.0f} s > --max-seconds {cfg.max_seconds:.0f}"
         return row
-    (q, k, v, grad), fn, fn_with_grad, pairs = _workload(impl, seq_len, cfg)
+    try:
+        (q, k, v, grad), fn, fn_with_grad, pairs = _workload(impl, seq_len, cfg)
+        if impl == "flex":
+            with torch.no_grad():
+                fn(q, k, v)  # compiles FlexAttention: where the compiler fails, the row says so
+    except Exception as error:
+        if impl != "flex" or isinstance(error, (ValueError, TypeError, torch.OutOfMemoryError)):
+            raise
+        row.note = f"failed: FlexAttention did not compile here ({type(error).__name__}: {_first_line(error)})"
+        return row
     row.io_bytes = 4 * q.numel() * q.element_size()
     gflop = 4 * cfg.head_dim * pairs / 1e9
     rate, bandwidth = ceilings
@@ -521,6 +530,11 @@ def measure(
         row.fwd_bwd_ms = 1e3 * seconds
         row.fwd_bwd_gflops, row.fwd_bwd_ratio = 3.5 * gflop / seconds, 3.5 * gflop * per_matmul
     return row
+
+
+def _first_line(error: BaseException, most: int = 160) -> str:
+    line = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return line if len(line) <= most else line[: most - 3] + "..."
 
 
 def _with_backward(inputs, fn, fn_with_grad) -> Callable[[], object]:
