@@ -60,7 +60,8 @@ def test_pattern_on_a_grid_draws_each_order_and_prints_the_locality(tmp_path, ca
     for bad, message in (
         (["--query", "16", "0"], "--query 16 0 must be a patch"),
         (["--causal"], "without --causal"),
-        (["--head", "2"], "--head 2 must be below --heads 2"),
+        (["--head", "2"], "--head 2 must be in [0, 2) (a head of --heads 2)"),
+        (["--head", "-1"], "--head -1 must be in [0, 2)"),
     ):
         assert main(args + bad + ["--out", str(path)]) == 2
         assert message in capsys.readouterr().err

@@ -103,7 +103,7 @@ def _grid_pattern(args, segs, rates) -> int:
     if not (0 <= query[0] < height and 0 <= query[1] < width):
         problems.append(f"--query {query[0]} {query[1]} must be a patch of the {height} x {width} grid")
     if args.head is not None and not 0 <= args.head < heads:
-        problems.append(f"--head {args.head} must be below --heads {heads}")
+        problems.append(f"--head {args.head} must be in [0, {heads}) (a head of --heads {heads})")
     if height * width > MAX_PATTERN_CELLS or args.causal:
         problems.append("--grid draws images of at most 2**24 patches, without --causal (images attend both ways)")
     if problems:

@@ -27,7 +27,8 @@ def log_log(axes_and_labels, xlabel: str, legend_size: int = 7) -> None:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=legend_size)
+        if ax.get_legend_handles_labels()[0]:  # an empty panel (memory not measured) has none
+            ax.legend(fontsize=legend_size)
 
 
 def save(fig, path: str, title: str, fontsize: int = 9, caption: str = "") -> None:
