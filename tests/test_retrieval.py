@@ -231,6 +231,14 @@ def test_evaluate_by_default_works_for_a_context_shorter_than_an_example(tmp_pat
     assert main(["evaluate", "--run", run, "--task", "recall", "--max-distance", str(2**39)]) == 2
     err = capsys.readouterr().err
     assert f"a forward pass over 8 examples of {2**39 + 10} bytes take" in err and "--max-distance" in err
+    # a run trained on text that is gone (or came through a pipe, --data <(zcat ...)): --data gives it
+    os.rename(text, tmp_path / "moved.py")
+    assert main(["evaluate", "--run", run, "--task", "passkey", "--examples", "1"]) == 2
+    assert f"the run's training data {text} cannot be read again" in capsys.readouterr().err
+    moved = ["--data", str(tmp_path / "moved.py"), "--out", str(tmp_path / "again")]
+    assert main(["evaluate", "--run", run, "--task", "passkey", "--examples", "2", *moved]) == 0
+    with open(tmp_path / "again" / "retrieval-passkey.json") as f:
+        assert json.load(f)["scores"] == scores  # the same text, the same examples
 
 
 def test_evaluate_refuses_an_output_that_is_a_file_before_any_work(tmp_path, capsys):

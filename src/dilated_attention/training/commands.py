@@ -299,6 +299,11 @@ def add_evaluate(sub, add_command) -> None:
     p.add_argument("--batch-size", type=number(int, 1), default=8, help="examples per forward pass (default: 8)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the examples, in [0, 2**63) (default: 0)")
     p.add_argument("--out", type=folder, help="folder for the results (default: the run folder)")
+    p.add_argument(
+        "--data",
+        type=file_or_folder,
+        help="passkey: the text the key hides in, from its validation split (default: the run's training data)",
+    )
     add_device_option(p)
     p.set_defaults(run=_cmd_evaluate)
 
@@ -322,6 +327,7 @@ def _cmd_evaluate(args) -> int:
         batch_size=args.batch_size,
         device=device_type(args.device),
         out=args.out,
+        data=args.data,
     )
     print(format_table(result))
     print(f"wrote {os.path.join(args.out or run_dir, 'retrieval-' + args.task)}.json, .txt and .png", file=sys.stderr)

@@ -175,12 +175,13 @@ def evaluate_run(
     batch_size: int = 8,
     device=None,
     out: str | None = None,
+    data: str | None = None,
 ) -> RetrievalResult:
     """Score a run's latest checkpoint on ``task`` at distances up to ``max_distance``
     (default: the farthest an example of the run's training context holds, at least
     the task's shortest distance); write ``retrieval-<task>.json``, ``.txt``
     and ``.png`` into ``out`` (default: the run folder). A passkey hides in text of
-    the run's validation split."""
+    the validation split of ``data`` (default: the run's training data)."""
     from ..utils.files import check_output_file, check_output_folder, write_results
     from ..utils.memory import check_fits
     from .data import load_corpus
@@ -192,6 +193,13 @@ def evaluate_run(
     if max_distance is None:
         max_distance = max(settings.context - tasks.min_length(task, 0), tasks.min_distance(task))
     max_distance = validation.check_int(max_distance, "max_distance", tasks.min_distance(task), 2**40)
+    if task == "passkey" and data is None:
+        data = settings.data
+        if data is not None and not (os.path.isfile(data) or os.path.isdir(data)):
+            raise ValueError(
+                f"the run's training data {data} cannot be read again (a pipe, or a file since moved): "
+                "pass the text for the passkey's filler as data (--data)"
+            )
     batch_size = validation.check_positive_int(batch_size, "batch_size")
     folder, option = (run_dir, "the run folder") if out is None else (out, "out")
     check_output_folder(folder, option)
@@ -207,7 +215,7 @@ def evaluate_run(
         "pass a smaller max_distance (--max-distance) or batch_size (--batch-size)",
     )
     model = load_model(run_dir, device)
-    filler = load_corpus(settings.data).validation if task == "passkey" else None
+    filler = load_corpus(data).validation if task == "passkey" else None
     keep = tasks.answer_length(task) + 1  # the logits scoring reads: the answer's, and the one before
 
     def last_logits(tokens: torch.Tensor) -> torch.Tensor:
