@@ -620,9 +620,24 @@ def test_a_longer_run_is_remembered_so_a_plain_resume_works_later(tmp_path, text
     run = str(tmp_path / "run")
     train(run, settings(text_file, steps=2), CONFIG, progress=False)
     assert main(["train", "--resume", run, "--steps", "4", "--no-progress"]) == 0
-    assert "sessions before step 2" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "sessions before step 2" in printed.out
+    assert "note: the learning rate" not in printed.err  # step 2 ends the warm-up of both schedules
     assert main(["train", "--resume", run, "--no-progress"]) == 0  # the total is now 4
     assert "step 4/4 (done)" in capsys.readouterr().out
+
+
+def test_a_resume_that_moves_the_learning_rate_says_so(tmp_path, text_file, capsys):
+    """The cosine schedule spans the steps: a finished 3-step run resumed to 8 steps
+    goes from the end of its decay back up the longer one's (a jump the user is told
+    of; see the test below for a resume whose rate stays where it was)."""
+    run = str(tmp_path / "run")
+    saved = settings(text_file, steps=3)
+    train(run, saved, CONFIG, progress=False)
+    assert main(["train", "--resume", run, "--steps", "8", "--no-progress"]) == 0
+    before, now = saved.learning_rate(3), dataclasses.replace(saved, steps=8).learning_rate(3)
+    assert now > 3 * before
+    assert f"now spans 8 steps, not 3: at step 3 it is {now:.3g}, where it was {before:.3g}" in capsys.readouterr().err
 
 
 def test_every_failed_write_into_the_run_folder_says_so(tmp_path, text_file, capsys, monkeypatch):

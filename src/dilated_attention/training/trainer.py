@@ -226,6 +226,7 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
         step, elapsed = state["step"], state["elapsed_s"]
         if place.is_main:
             run_folder.truncate_log(run_dir, step)
+            _note_new_schedule(run_folder.read_run_config(run_dir)[1], settings, step)
             run_folder.write_run_config(run_dir, model_config, settings)  # the total steps may have changed
     elif place.is_main:
         run_folder.start_run_folder(run_dir, model_config, settings)
@@ -425,6 +426,18 @@ def _check_fits(model_config: LongNetConfig, device: torch.device) -> None:
         f"the model's parameters (at least {parameters:.3g}), with their gradients and AdamW's two moments,",
         "use a smaller dim, ffn_dim, depth or vocab_size",
     )
+
+
+def _note_new_schedule(saved: TrainSettings, settings: TrainSettings, step: int) -> None:
+    """Say so where a resumed run's new ``steps`` moves its learning rate: the cosine
+    schedule spans the steps, so from ``step`` on the rate follows the new span's."""
+    before, now = saved.learning_rate(step), settings.learning_rate(step)
+    if saved.steps != settings.steps and step < settings.steps and not math.isclose(before, now, rel_tol=0.01):
+        print(
+            f"note: the learning rate's cosine schedule now spans {settings.steps:,} steps, not "
+            f"{saved.steps:,}: at step {step:,} it is {now:.3g}, where it was {before:.3g}",
+            file=sys.stderr,
+        )
 
 
 def _note_evaluation_windows(corpus, settings: TrainSettings) -> None:
