@@ -334,6 +334,9 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_recovers_the_run(t
         assert "checkpoint.pt is damaged (the bytes of its record" in message
         assert "The checkpoint before it, of step 3, is intact" in message and "checkpoint.previous.pt" in message
     previous = os.path.join(run, "checkpoint.previous.pt")
+    os.replace(latest, latest + ".bad")  # moved away by hand: the same way back
+    message = _error(["train", "--resume", run, "--steps", "9"], capsys)
+    assert "checkpoint.pt is missing. The checkpoint before it, of step 3, is intact" in message
     os.replace(previous, latest)  # what the message says to do
     assert (
         train(run, settings(text_file, steps=6, data=os.path.abspath(text_file)), resume=True, progress=False)["step"]
@@ -709,6 +712,14 @@ def test_empty_folder_names_and_damaged_logs_are_refused(tmp_path, text_file, ca
     assert not os.path.exists("r\udcff")
     with pytest.raises(ValueError, match="data must name a file or folder, got an empty path"):
         TrainSettings(data="")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv in (["generate", "--prompt", "a"], ["evaluate", "--task", "recall"]):
+        argv += ["--run", str(empty)]
+        assert f"{empty} is empty: pass a folder a train run wrote, or train one there" in _error(argv, capsys)
+    (empty / ".lock").touch()
+    message = _error(["train", "--resume", str(empty)], capsys)
+    assert "holds no run: a train run was stopped before it wrote config.json; start it anew" in message
     run = tmp_path / "run"
     train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
     log = (run / "log.jsonl").read_text()

@@ -75,6 +75,8 @@ def load_checkpoint(run_dir: str, name: str = CHECKPOINT) -> dict:
     file, how to go back to the checkpoint before it."""
     path = os.path.join(run_dir, name)
     if not os.path.isfile(path):
+        if name == CHECKPOINT and os.path.isfile(os.path.join(run_dir, PREVIOUS)):  # moved or deleted by hand
+            raise ValueError(f"{path} is missing. {_recovery(run_dir, name)}")
         raise ValueError(
             f"no checkpoint in {run_dir} (expected {path}): pass the folder a `dilated-attention train` run "
             "wrote (its --out)"

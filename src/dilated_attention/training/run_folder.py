@@ -122,11 +122,14 @@ def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
     """The model configuration and settings a run folder was started with."""
     path = os.path.join(run_dir, CONFIG)
     if not os.path.isfile(path):
-        if os.path.isdir(run_dir) and set(os.listdir(run_dir)) <= {LOCK}:
+        held = set(os.listdir(run_dir)) if os.path.isdir(run_dir) else None
+        train_it = f"dilated-attention train --out {shlex.quote(run_dir)}"
+        if held == {LOCK}:
             raise ValueError(
-                f"{run_dir} holds no run: one was stopped before it wrote {CONFIG}; start it anew with "
-                f"--out {shlex.quote(run_dir)}"
+                f"{run_dir} holds no run: a train run was stopped before it wrote {CONFIG}; start it anew: {train_it}"
             )
+        if held == set():
+            raise ValueError(f"{run_dir} is empty: pass a folder a train run wrote, or train one there: {train_it}")
         raise ValueError(f"{run_dir} is not a training run folder: {path} is missing")
     try:
         with open(path, encoding="utf-8") as f:
