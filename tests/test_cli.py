@@ -62,9 +62,14 @@ def test_pattern_on_a_grid_draws_each_order_and_prints_the_locality(tmp_path, ca
         (["--causal"], "without --causal"),
         (["--head", "2"], "--head 2 must be in [0, 2) (a head of --heads 2)"),
         (["--head", "-1"], "--head -1 must be in [0, 2)"),
+        (["--length", "256"], "--length applies without --grid only: drop it (an image's length is H * W)"),
     ):
         assert main(args + bad + ["--out", str(path)]) == 2
         assert message in capsys.readouterr().err
+    sequence = [args[0], *args[4:], "--length", "16", "--heads", "2", "--out", str(tmp_path / "never.png")]
+    assert main([*sequence, "--head", "1", "--head-offsets", "contiguous"]) == 2  # flags a sequence would ignore
+    assert "error: --head, --head-offsets apply with --grid only: drop them" in capsys.readouterr().err
+    assert not (tmp_path / "never.png").exists()
     assert main(["pattern", "--segment-lengths", "4", "--dilation-rates", "1"]) == 2
     assert "needs --length and --heads (or --grid H W" in capsys.readouterr().err
 

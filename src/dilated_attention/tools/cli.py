@@ -69,6 +69,17 @@ def _cmd_pattern(args) -> int:
     require("plot", "pattern")
     check_output_file(args.out, "--out")
     segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)
+    grid_only = {"--order": args.order, "--query": args.query, "--head": args.head, "--head-offsets": args.head_offsets}
+    misplaced = ["--length"] if args.grid and args.length is not None else []
+    misplaced += [] if args.grid else [flag for flag, value in grid_only.items() if value is not None]
+    if misplaced:
+        print(
+            f"error: {', '.join(misplaced)} {'apply' if len(misplaced) > 1 else 'applies'} "
+            f"{'without' if args.grid else 'with'} --grid only: drop {'them' if len(misplaced) > 1 else 'it'}"
+            + (" (an image's length is H * W)" if args.grid else ""),
+            file=sys.stderr,
+        )
+        return 2
     if args.grid:
         return _grid_pattern(args, segs, rates)
     from .pattern import draw_pattern
@@ -94,6 +105,7 @@ def _cmd_pattern(args) -> int:
 
 
 def _grid_pattern(args, segs, rates) -> int:
+    from ..nn.ordering import ORDERS
     from .pattern import draw_grid_pattern
 
     height, width = args.grid
@@ -118,12 +130,12 @@ def _grid_pattern(args, segs, rates) -> int:
         width,
         segs,
         rates,
-        args.order,
+        args.order or list(ORDERS),
         query,
         num_heads=heads,
         head=args.head,
         mode=args.mode,
-        head_offsets=args.head_offsets,
+        head_offsets=args.head_offsets or "interleaved",
     )
     print(table)
     print(f"wrote {args.out}")
@@ -370,7 +382,6 @@ def _add_pattern(sub) -> None:
         "--order",
         nargs="+",
         choices=ORDERS,
-        default=list(ORDERS),
         help="with --grid: the patch orders to compare (default: all three)",
     )
     pattern.add_argument(
@@ -386,7 +397,6 @@ def _add_pattern(sub) -> None:
     pattern.add_argument(
         "--head-offsets",
         choices=HEAD_OFFSETS,
-        default="interleaved",
         help="with --grid: which offset a head uses in a branch (default: interleaved)",
     )
     pattern.add_argument(
