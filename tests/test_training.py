@@ -729,7 +729,11 @@ def test_empty_folder_names_and_damaged_logs_are_refused(tmp_path, text_file, ca
             ["train", "--resume", str(run), "--steps", "3"], capsys
         )
     (run / "log.jsonl").write_bytes(log.encode() + b"\xff\xfe\n")
-    assert "log.jsonl is not UTF-8 text" in _error(["train", "--resume", str(run), "--steps", "3"], capsys)
+    message = _error(["train", "--resume", str(run), "--steps", "3"], capsys)
+    assert "log.jsonl is not UTF-8 text" in message and "the checkpoint does not need it" in message
+    os.rename(run / "log.jsonl", run / "log.jsonl.damaged")  # what the message says to do
+    assert main(["train", "--resume", str(run), "--steps", "3", "--no-progress"]) == 0
+    assert [r["step"] for r in read_log(str(run))] == [3]
 
 
 def test_settings_and_configs_hold_python_numbers_and_sampling_is_checked():

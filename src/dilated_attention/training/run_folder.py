@@ -167,11 +167,15 @@ def read_log(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, LOG)
     if not os.path.isfile(path):
         return []
+    aside = (
+        "the checkpoint does not need it: to go on without its records (the loss plot loses them), run "
+        f"`mv {shlex.quote(path)} {shlex.quote(path + '.damaged')}`"
+    )
     try:
         with open(path, encoding="utf-8") as f:
             lines = [line for line in f if line.strip()]
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text: the log is damaged") from None
+        raise ValueError(f"{path} is not UTF-8 text: the log is damaged; {aside}") from None
     if lines and not lines[-1].endswith("\n"):
         lines.pop()
     records = []
@@ -181,7 +185,7 @@ def read_log(run_dir: str) -> list[dict]:
         except json.JSONDecodeError:
             record = None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ValueError(f"{path}, line {number}, is not a step's record: the log is damaged") from None
+            raise ValueError(f"{path}, line {number}, is not a step's record: the log is damaged; {aside}") from None
         records.append(record)
     return records
 
