@@ -200,6 +200,7 @@ def evaluate_run(
                 f"the run's training data {data} cannot be read again (a pipe, or a file since moved): "
                 "pass the text for the passkey's filler as data (--data)"
             )
+    examples = validation.check_positive_int(examples, "examples")
     batch_size = validation.check_positive_int(batch_size, "batch_size")
     folder, option = (run_dir, "the run folder") if out is None else (out, "out")
     check_output_folder(folder, option)
