@@ -156,17 +156,34 @@ def test_rows_with_no_key_or_a_nonfinite_query_pass_no_gradient(kind):
 
 
 def test_a_cache_made_under_inference_mode_serves_outside_it():
-    """Its tensors, inference tensors, are copied on the first step outside that mode
-    (they cannot be written in place there), after a reset too."""
+    """Its tensors are never inference tensors (which cannot be written in place outside
+    that mode): after a reset, a reorder, and in a compiled step too."""
     gen = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(1, 6, 2, 4, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(2, 6, 2, 4, generator=gen) for _ in range(3))
     with torch.inference_mode():
-        static, dynamic = StaticKVCache(1, 2, 4, [4], [1], max_chunk=3), DilatedKVCache(1, 2, 4, [4], [1])
+        static, dynamic = StaticKVCache(2, 2, 4, [4], [1], max_chunk=3), DilatedKVCache(2, 2, 4, [4], [1])
         feed(static, (q, k, v), [3])
     static.reset()
     with torch.no_grad():
         outs = [feed(cache, (q, k, v), [3, 1, 2]) for cache in (static, dynamic)]
-    assert max_relative_error(outs[0], outs[1]) <= 1e-6 and static.position.tolist() == [6]
+    assert max_relative_error(outs[0], outs[1]) <= 1e-6 and static.position.tolist() == [6, 6]
+    with torch.inference_mode():
+        static.reorder(torch.tensor([1, 0]))
+        static.reset()
+    step = torch.compile(static.attend, fullgraph=True, backend="eager")
+    compiled = feed(type("Compiled", (), {"attend": staticmethod(step)}), (q, k, v), [3, 3])
+    assert max_relative_error(compiled, outs[1]) <= 1e-6
+
+
+def test_a_key_the_query_does_not_attend_to_is_never_read():
+    """A finite key of another segment whose score would overflow float32 leaves the
+    row as the reference has it (it once made the softmax NaN)."""
+    q, k = torch.ones(1, 3, 1, 4), torch.ones(1, 3, 1, 4)
+    v = torch.randn(1, 3, 1, 4, generator=torch.Generator().manual_seed(7))
+    k[0, 0], q[0, 2] = 1e30, 1e10  # q2 . k0 overflows; position 0 is in another segment of w = 2
+    expected, _ = reference_dilated_attention(q.double(), k.double(), v.double(), [2], [1], is_causal=True)
+    out = feed(StaticKVCache(1, 1, 4, [2], [1], max_chunk=3, kernel="torch"), (q, k, v), [1, 1, 1])
+    assert max_relative_error(out, expected) <= 1e-6
 
 
 def test_static_cache_matches_the_dynamic_one_and_reorders():

@@ -95,22 +95,20 @@ class StaticKVCache(CacheSettings):
         reset in place: a CUDA graph captured on this cache stays valid."""
         starts = check_starts(start, self.shape[0], self.segment_lengths)
         batch, heads, dim = self.shape
-        if getattr(self, "_k", None) is None or self._made_for_inference_only():
-            ring = (batch, heads, self.capacity, dim)
-            self._k = torch.zeros(ring, dtype=self.dtype, device=self.device)
-            self._v = torch.zeros(ring, dtype=self.dtype, device=self.device)
-            self._key_positions = torch.empty(batch, self.capacity, dtype=torch.int64, device=self.device)
-            self._bad = torch.zeros(batch, heads, self.capacity, dtype=torch.bool, device=self.device)
-            self._next = torch.empty(batch, dtype=torch.int64, device=self.device)
+        if getattr(self, "_k", None) is None:
+            # Never inference tensors (a cache made under inference_mode serves outside it
+            # too, compiled steps included); inside it their in-place updates are allowed.
+            with torch.inference_mode(False):
+                ring = (batch, heads, self.capacity, dim)
+                self._k = torch.zeros(ring, dtype=self.dtype, device=self.device)
+                self._v = torch.zeros(ring, dtype=self.dtype, device=self.device)
+                self._key_positions = torch.empty(batch, self.capacity, dtype=torch.int64, device=self.device)
+                self._bad = torch.zeros(batch, heads, self.capacity, dtype=torch.bool, device=self.device)
+                self._next = torch.empty(batch, dtype=torch.int64, device=self.device)
         for t in (self._k, self._v, self._bad):
             t.zero_()
         self._key_positions.fill_(EMPTY)
         self._next.copy_(torch.tensor(starts, dtype=torch.int64))
-
-    def _made_for_inference_only(self) -> bool:
-        """Whether the tensors were made under ``torch.inference_mode()`` and this call
-        is outside it, where they cannot be written in place."""
-        return not torch.compiler.is_compiling() and self._k.is_inference() and not torch.is_inference_mode_enabled()
 
     @property
     def position(self) -> torch.Tensor:
@@ -131,8 +129,9 @@ class StaticKVCache(CacheSettings):
         The cache's tensors are replaced: capture a CUDA graph again after a reorder."""
         self._kept_sequences(indices)  # a ValueError unless they are sequence indices
         index = indices.to(self.device)
-        for name in ("_k", "_v", "_key_positions", "_bad", "_next"):
-            setattr(self, name, getattr(self, name).index_select(0, index))
+        with torch.inference_mode(False):  # never inference tensors (see reset)
+            for name in ("_k", "_v", "_key_positions", "_bad", "_next"):
+                setattr(self, name, getattr(self, name).index_select(0, index))
         self.shape = (len(indices), *self.shape[1:])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -142,9 +141,6 @@ class StaticKVCache(CacheSettings):
             self._check_inputs(q, k, v, self.max_chunk)  # raises, saying what is wrong
         batch, heads, dim = self.shape
         length = q.shape[1]
-        if self._made_for_inference_only():  # copies that later steps may write in place
-            for name in ("_k", "_v", "_key_positions", "_bad", "_next"):
-                setattr(self, name, getattr(self, name).clone())
         if self._takes_kernel(q):
             return self._attend_fused(q, k, v)
         queries = self._next[:, None] + torch.arange(length, device=self.device)  # (B, L)
@@ -164,14 +160,16 @@ class StaticKVCache(CacheSettings):
         saved = torch.is_grad_enabled() and q.requires_grad
         keys, values = (ring.to(acc, copy=saved) for ring in (self._k, self._v))
         # Every row's softmax finite, its backward too (non-finite keys are stored as 0):
-        # a non-finite query row as 0, a row with no key over no bias; the definition's
-        # rules below then set both rows, passing them no gradient.
-        queries = q.transpose(1, 2).to(acc)
-        q_bad = ~torch.isfinite(queries).all(-1)  # (B, H, L)
+        # a non-finite query row as 0, the keys a row does not attend to at -inf (their
+        # scores, which may overflow, never read), a row with no key at 0 throughout;
+        # the definition's rules below then set those rows, passing them no gradient.
+        rows = q.transpose(1, 2).to(acc)
+        q_bad = ~torch.isfinite(rows).all(-1)  # (B, H, L)
         some = attended.any(-1)
-        scores = torch.matmul(queries.masked_fill(q_bad[..., None], 0.0), keys.transpose(-1, -2)) * self._kernel_scale
-        bias = count.to(acc).sub(1).log1p().masked_fill(~some[..., None], 0.0)
-        out = torch.matmul(torch.softmax(scores + bias, dim=-1), values)
+        scores = torch.matmul(rows.masked_fill(q_bad[..., None], 0.0), keys.transpose(-1, -2)) * self._kernel_scale
+        scores = scores.masked_fill(~attended, -math.inf).masked_fill(~some[..., None], 0.0)
+        weights = torch.softmax(scores + count.to(acc).clamp_min(1).log(), dim=-1)  # a key m branches count: m times
+        out = torch.matmul(weights, values)
         # The definition's rules: a row with no key outputs 0, one a non-finite value
         # reaches (its query, or a key it attends) outputs NaN.
         reached = (attended & self._bad[:, :, None, :]).any(-1) | q_bad
