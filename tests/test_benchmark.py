@@ -1,5 +1,6 @@
 """The benchmark's FLOP count, memory probe and command (a smoke run on tiny sizes)."""
 
+import dataclasses
 import io
 import json
 import os
@@ -447,8 +448,24 @@ def test_a_flexattention_that_does_not_compile_is_a_failed_row(monkeypatch):
     cfg = benchmark.BenchConfig(seq_lens=[64], segment_lengths=[16, 32], dilation_rates=[1, 2], heads=2, head_dim=8)
     row = benchmark.measure("flex", 64, cfg, None)
     assert row.fwd_ms is None and row.note == (
-        "failed: FlexAttention did not compile here (RuntimeError: CppCompileError: C++ compile error)"
+        "failed: FlexAttention does not run here (RuntimeError: CppCompileError: C++ compile error)"
     )
+
+    class NoBackward(torch.autograd.Function):  # as FlexAttention on the CPU in some versions
+        @staticmethod
+        def forward(ctx, q):
+            return q.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise NotImplementedError("FlexAttention does not support backward on CPU")
+
+    monkeypatch.setattr(benchmark, "flex_mixture", lambda *a, **k: lambda q, k, v: NoBackward.apply(q))
+    row = benchmark.measure("flex", 64, cfg, None)
+    assert row.note == (
+        "failed: FlexAttention does not run here (NotImplementedError: FlexAttention does not support backward on CPU)"
+    )
+    assert benchmark.measure("flex", 64, dataclasses.replace(cfg, backward=False, repeats=1), None).fwd_ms > 0
     monkeypatch.setattr(benchmark, "flex_mixture", lambda *a, **k: lambda q, k, v: q.new_zeros(()).item(""))
     with pytest.raises(TypeError):  # a bad argument is not a compiler's failure
         benchmark.measure("flex", 64, cfg, None)

@@ -182,6 +182,8 @@ def test_kernel_choice_is_explicit_and_never_silently_changed(monkeypatch):
         with pytest.raises(ValueError, match=r"at most 65535 batch rows and 65535 heads.*split the batch"):
             fused.use_triton(torch.empty(shape).normal_(), 0.0, False, "triton")
     assert fused.use_triton(torch.randn(fused.MAX_GRID_YZ, 1, 1, 16), 0.0, False, "triton")
+    # the caches' launches put every (row, head) on one axis: the limit is not theirs
+    assert fused.why_not_triton(torch.empty(fused.MAX_GRID_YZ + 1, 1, 1, 16), 0.0, False, capturable=True) is None
     with pytest.raises(ValueError, match="kernel must be one of"):
         dilated_attention(q, q, q, [4], [1], kernel="cuda")
     monkeypatch.setenv(fused.KERNEL_ENV, "fast")

@@ -72,7 +72,7 @@ def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool, capturabl
         return f"{q.dtype} is not fused (float16, bfloat16 and float32 are)"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head_dim {q.shape[-1]} is above {MAX_HEAD_DIM}"
-    if q.shape[0] > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ:
+    if not capturable and (q.shape[0] > MAX_GRID_YZ or q.shape[2] > MAX_GRID_YZ):  # caches' launches: one axis
         return (
             f"a launch takes at most {MAX_GRID_YZ} batch rows and {MAX_GRID_YZ} heads (CUDA's grid limit), "
             f"got {q.shape[0]} and {q.shape[2]}: split the batch"
