@@ -226,7 +226,9 @@ def test_evaluate_by_default_works_for_a_context_shorter_than_an_example(tmp_pat
     # before any work: an output file that cannot be written, a length that cannot fit
     os.makedirs(tmp_path / "out" / "retrieval-recall.png")
     assert main(["evaluate", "--run", run, "--task", "recall", "--out", str(tmp_path / "out")]) == 2
-    assert "retrieval-recall.png is a folder" in capsys.readouterr().err
+    assert "retrieval-recall.png is a folder where a result file goes: move it, or pass another out" in (
+        capsys.readouterr().err
+    )
     assert os.listdir(tmp_path / "out") == ["retrieval-recall.png"]
     assert main(["evaluate", "--run", run, "--task", "recall", "--max-distance", str(2**39)]) == 2
     err = capsys.readouterr().err
@@ -239,6 +241,13 @@ def test_evaluate_by_default_works_for_a_context_shorter_than_an_example(tmp_pat
     assert main(["evaluate", "--run", run, "--task", "passkey", "--examples", "2", *moved]) == 0
     with open(tmp_path / "again" / "retrieval-passkey.json") as f:
         assert json.load(f)["scores"] == scores  # the same text, the same examples
+    (tmp_path / "tiny.txt").write_text("hi")
+    for task, data, fragment in (
+        ("passkey", "tiny.txt", "tiny.txt is empty (its text is too short): give more text"),
+        ("recall", "moved.py", "data (--data) is the text a passkey hides in: recall takes none"),
+    ):
+        assert main(["evaluate", "--run", run, "--task", task, "--data", str(tmp_path / data)]) == 2
+        assert fragment in capsys.readouterr().err
 
 
 def test_evaluate_refuses_an_output_that_is_a_file_before_any_work(tmp_path, capsys):

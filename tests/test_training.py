@@ -227,6 +227,10 @@ def test_bad_runs_and_data_give_clear_errors(tmp_path, text_file, capsys, monkey
     assert "only steps and minutes may change, not ['lr']" in _error(["train", "--resume", run, "--lr", "0.1"], capsys)
     assert "is not a training run folder" in _error(["generate", "--run", str(tmp_path), "--prompt", "a"], capsys)
     os.remove(os.path.join(run, "checkpoint.pt"))
+    assert "checkpoint.pt is missing. The checkpoint before it, of step 0, is intact" in _error(
+        ["generate", "--run", run, "--prompt", "a"], capsys
+    )
+    os.remove(os.path.join(run, "checkpoint.previous.pt"))
     assert "no checkpoint in" in _error(["generate", "--run", run, "--prompt", "a"], capsys)
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -712,6 +716,9 @@ def test_empty_folder_names_and_damaged_logs_are_refused(tmp_path, text_file, ca
     assert not os.path.exists("r\udcff")
     with pytest.raises(ValueError, match="data must name a file or folder, got an empty path"):
         TrainSettings(data="")
+    with pytest.raises(ValueError, match="run_dir must be a path in UTF-8"):
+        train(str(tmp_path / "r\udcff"), settings(text_file), CONFIG, progress=False)
+    assert TrainSettings(data=os.fsencode(text_file)).data == str(text_file)  # bytes paths: as the config holds them
     empty = tmp_path / "empty"
     empty.mkdir()
     for argv in (["generate", "--prompt", "a"], ["evaluate", "--task", "recall"]):

@@ -179,24 +179,22 @@ def add_device_option(p) -> None:
 
 
 def folder(text: str) -> str:
-    """An argparse type: a folder's path, not empty, in UTF-8."""
-    return _path(text, "a folder")
-
-
-def file_or_folder(text: str) -> str:
-    """An argparse type: a file's or folder's path, not empty, in UTF-8."""
-    return _path(text, "a file or folder")
-
-
-def _path(text: str, what: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"must name {what}, got an empty string")
+    """An argparse type: a folder's path, not empty, in UTF-8 (a run folder's checkpoint
+    is read back through PyTorch, which takes no other)."""
+    file_or_folder(text, "a folder")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # bytes the file system gave back as surrogates
         raise argparse.ArgumentTypeError(
-            f"must be a path in UTF-8 (PyTorch's checkpoint files take no other), got {text!r}: rename it"
+            f"must be a path in UTF-8 (PyTorch reads checkpoints from no other), got {text!r}: rename it"
         ) from None
+    return text
+
+
+def file_or_folder(text: str, what: str = "a file or folder") -> str:
+    """An argparse type: a file's or folder's path, not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name {what}, got an empty string")
     return text
 
 

@@ -193,6 +193,8 @@ def evaluate_run(
     if max_distance is None:
         max_distance = max(settings.context - tasks.min_length(task, 0), tasks.min_distance(task))
     max_distance = validation.check_int(max_distance, "max_distance", tasks.min_distance(task), 2**40)
+    if task != "passkey" and data is not None:
+        raise ValueError(f"data (--data) is the text a passkey hides in: {task} takes none, drop it")
     if task == "passkey" and data is None:
         data = settings.data
         if data is not None and not (os.path.isfile(data) or os.path.isdir(data)):
@@ -206,7 +208,11 @@ def evaluate_run(
     check_output_folder(folder, option)
     stem = os.path.join(folder, f"retrieval-{task}")
     for extension in (".json", ".txt", ".png"):
-        check_output_file(stem + extension, option)
+        if os.path.isdir(stem + extension):
+            raise ValueError(
+                f"{stem + extension} is a folder where a result file goes: move it, or pass another out (--out)"
+            )
+        check_output_file(stem + extension, "the result file")
     longest = max(settings.context, tasks.min_length(task, max(distances(task, max_distance))))
     device = torch.device(device or "cpu")
     check_fits(
@@ -215,8 +221,16 @@ def evaluate_run(
         f"a forward pass over {min(batch_size, examples)} examples of {longest} bytes",
         "pass a smaller max_distance (--max-distance) or batch_size (--batch-size)",
     )
+    filler = None
+    if task == "passkey":
+        corpus = load_corpus(data)
+        filler = corpus.validation
+        if not len(filler):
+            raise ValueError(
+                f"the validation split of {corpus.source} is empty (its text is too short): give more text as data "
+                "(--data)"
+            )
     model = load_model(run_dir, device)
-    filler = load_corpus(data).validation if task == "passkey" else None
     keep = tasks.answer_length(task) + 1  # the logits scoring reads: the answer's, and the one before
 
     def last_logits(tokens: torch.Tensor) -> torch.Tensor:

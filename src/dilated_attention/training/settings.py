@@ -79,7 +79,7 @@ class TrainSettings:
             raise ValueError(f"dtype must be one of {sorted(AUTOCAST_DTYPES)}, got {self.dtype!r}")
         if self.data is not None:
             try:
-                self.data = os.fspath(self.data)
+                self.data = os.fsdecode(self.data)  # a str (bytes paths too): the run's config holds it
             except TypeError:
                 raise TypeError(f"data must be a path or None, got {validation.type_name(self.data)}") from None
             if not self.data.strip():
