@@ -1,6 +1,6 @@
 """A small Llama from `transformers`, switched to dilated attention in one line, trained
 for a few steps on the library's default corpus (the standard library's sources, as
-bytes) and asked to continue a prompt. Runs on the CPU in about half a minute.
+bytes) and asked to continue a prompt. Runs on the CPU in about a minute.
 
     python3 examples/transformers_llama.py [--steps 60]
 """

@@ -14,10 +14,18 @@ from ..ops.validation import SEED_LIMIT
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` that reports an unknown option or command before anything
-    else, with the closest known one (argparse alone would first report the missing
-    command: for ``--verison``, "the following arguments are required: command").
-    Its subcommands are parsers of this class too."""
+    """An ``ArgumentParser`` whose usage errors take one line, and that reports an
+    unknown option or command before anything else, with the closest known one
+    (argparse alone would first report the missing command: for ``--verison``, "the
+    following arguments are required: command"). Its subcommands are parsers of this
+    class too."""
+
+    def error(self, message: str):
+        """One line, as every other refusal of the command line (the usage is on
+        ``--help``); without a command, the usage that lists them first."""
+        if message.endswith("required: command"):
+            self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)

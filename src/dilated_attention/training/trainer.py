@@ -192,7 +192,8 @@ def _claim_run_folder(run_dir: str, resume: bool) -> run_folder.RunLock:
 def _check_new_run_folder(run_dir: str) -> None:
     if os.path.isfile(os.path.join(run_dir, checkpoint.CHECKPOINT)):
         raise ValueError(
-            f"{run_dir} already holds a run: continue it with --resume {shlex.quote(run_dir)}, or pick another --out"
+            f"{run_dir} already holds a run: continue it with --resume {shlex.quote(run_dir)} (from Python: "
+            "resume=True), or pick another --out (run_dir)"
         )
     if not run_folder.never_started(run_dir):
         raise ValueError(f"--out {run_dir} is a folder with files in it: pick an empty or new folder for the run")
