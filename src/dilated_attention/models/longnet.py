@@ -185,8 +185,9 @@ class LongNetLM(nn.Module):
         each sequence. ``positions``: the tokens' absolute positions (``(N,)`` or
         ``(B, N)``), which the cache or the shard otherwise supply.
         ``logits_to_keep``: where positive, the logits of the last ``logits_to_keep``
-        tokens only, ``(B, min(N, logits_to_keep), vocab_size)`` (what scoring or
-        sampling the end of a long sequence needs, without the others' memory).
+        tokens of ``tokens`` only (of this rank's shard with ``process_group``),
+        ``(B, min(N, logits_to_keep), vocab_size)``: what scoring or sampling the end of
+        a long sequence needs, without the others' memory.
         """
         with validation.shared_errors(process_group):  # before any collective call: raised on every rank
             logits_to_keep = validation.check_non_negative_int(logits_to_keep, "logits_to_keep")

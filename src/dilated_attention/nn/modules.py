@@ -403,7 +403,9 @@ class GridAttention(nn.Module):
     and returns its output in the caller's order: a ViT block changes the order its
     segments follow without touching its data pipeline. ``batch_first=False``
     modules take and return ``(N, B, embed_dim)``. A ``key_padding_mask`` and rotary
-    ``positions`` (``(N,)`` or ``(B, N)``, one per token of ``x``) are laid out with ``x``.
+    ``positions`` (``(N,)`` or ``(B, N)`` in both layouts, one per token of ``x``) are
+    laid out with ``x``; without ``positions``, rotary attention takes each token's place
+    in the ordered sequence.
 
     With ``process_group``, ``x`` is this rank's contiguous piece of the *ordered*
     sequence (:func:`dilated_attention.nn.ordering.shard` cuts it, as LongViT gives each
