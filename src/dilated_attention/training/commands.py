@@ -181,13 +181,9 @@ def add_device_option(p) -> None:
 def folder(text: str) -> str:
     """An argparse type: a folder's path, not empty, in UTF-8 (a run folder's checkpoint
     is read back through PyTorch, which takes no other)."""
-    file_or_folder(text, "a folder")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # bytes the file system gave back as surrogates
-        raise argparse.ArgumentTypeError(
-            f"must be a path in UTF-8 (PyTorch reads checkpoints from no other), got {text!r}: rename it"
-        ) from None
+    problem = run_folder.not_utf8(file_or_folder(text, "a folder"))
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 

@@ -118,6 +118,15 @@ def _is_temporary(name: str) -> bool:
     return re.fullmatch(r"\..+\.[0-9a-f]{32}" + re.escape(TEMPORARY_SUFFIX), name) is not None
 
 
+def not_utf8(path: str) -> str | None:
+    """What is wrong with a run folder's ``path`` in other bytes than UTF-8 (bytes the
+    file system gave back as surrogates), or ``None``: PyTorch reads checkpoints from
+    UTF-8 paths only."""
+    if path.encode("utf-8", "replace").decode("utf-8") == path:
+        return None
+    return f"must be a path in UTF-8 (PyTorch reads checkpoints from no other), got {path!r}: rename it"
+
+
 def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
     """The model configuration and settings a run folder was started with."""
     path = os.path.join(run_dir, CONFIG)

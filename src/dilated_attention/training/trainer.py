@@ -140,8 +140,9 @@ def _write_failure(exc: OSError, run_dir: str) -> str:
 
 def _train_or_resume(run_dir, settings, model_config, resume, device, callback, progress) -> dict:
     """:func:`train` after its extra is checked."""
-    if isinstance(run_dir, str) and run_dir.encode("utf-8", "replace").decode("utf-8") != run_dir:
-        raise ValueError(f"run_dir must be a path in UTF-8 (PyTorch reads checkpoints from no other), got {run_dir!r}")
+    problem = run_folder.not_utf8(run_dir) if isinstance(run_dir, str) else None
+    if problem is not None:
+        raise ValueError(f"run_dir {problem}")
     _check_type(settings, TrainSettings, "settings")
     _check_type(model_config, LongNetConfig, "model_config")
     if settings is not None:
