@@ -18,6 +18,7 @@ import tempfile
 
 import torch
 
+from dilated_attention.tools.arguments import positive_int, positive_ints
 from dilated_attention.tools.benchmark import machine_info
 from dilated_attention.utils.files import write_results
 
@@ -27,8 +28,8 @@ EXAMPLE = os.path.join(HERE, "..", "examples", "distributed.py")
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=49152)
-    parser.add_argument("--nprocs", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--seq-len", type=positive_int, default=49152)
+    parser.add_argument("--nprocs", type=positive_ints, nargs="+", default=[1, 2, 4])
     parser.add_argument("extra", nargs="*", help="passed on to examples/distributed.py")
     args = parser.parse_args()
     runs = []

@@ -24,7 +24,15 @@ import torch
 
 from dilated_attention import dilated_attention
 from dilated_attention.ops.plan import make_plan
-from dilated_attention.tools.benchmark import BenchConfig, forward_peak_added, json_from, machine_info, time_by_op
+from dilated_attention.tools.arguments import threads
+from dilated_attention.tools.benchmark import (
+    BenchConfig,
+    forward_peak_added,
+    json_from,
+    machine_info,
+    machine_words,
+    time_by_op,
+)
 from dilated_attention.utils.files import write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,7 +95,7 @@ def _memory_of(seq_len: int, w: int, dropout_p: float) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: 2)")
+    parser.add_argument("--threads", type=threads, default=2, help="torch.set_num_threads (default: 2)")
     parser.add_argument(
         "--skip-large-dropout",
         action="store_true",
@@ -107,10 +115,7 @@ def main() -> int:
         print(text, flush=True)
         lines.append(text)
 
-    say(
-        f"edge costs on cpu ({machine_info(torch.device('cpu'))['cpu']}), {args.threads} threads, "
-        f"float32, B=1 H={HEADS} D={HEAD_DIM}"
-    )
+    say(f"edge costs on cpu ({machine_words(machine_info(torch.device('cpu')))}), float32, B=1 H={HEADS} D={HEAD_DIM}")
     say("\ntiny segments: plan, forward, share of the forward inside the fused attention op")
     tiny = [tiny_segments(102400, [1], [1]), tiny_segments(102400, [1, 2, 4], [1, 1, 2])]
     for row in tiny:

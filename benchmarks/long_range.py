@@ -27,6 +27,7 @@ import tempfile
 import torch
 
 from dilated_attention.models import LongNetConfig
+from dilated_attention.tools.arguments import positive_float, positive_int
 from dilated_attention.tools.benchmark import machine_info
 from dilated_attention.training import TrainSettings, evaluate_run, read_log, retrieval, tasks, train
 from dilated_attention.utils.files import write_results
@@ -46,8 +47,10 @@ def setups(context: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=8.0, help="training time per set-up (default: 8)")
-    parser.add_argument("--context", type=int, default=4096, help="training context, a multiple of 16 (default: 4096)")
+    parser.add_argument("--minutes", type=positive_float, default=8.0, help="training time per set-up (default: 8)")
+    parser.add_argument(
+        "--context", type=positive_int, default=4096, help="training context, a multiple of 16 (default: 4096)"
+    )
     parser.add_argument("--task", choices=tasks.TASKS, default="passkey", help="the task (default: passkey)")
     parser.add_argument(
         "--task-fraction",
@@ -55,7 +58,7 @@ def main() -> int:
         default=0.5,
         help="share of training sequences that are task examples (default: 0.5)",
     )
-    parser.add_argument("--examples", type=int, default=32, help="examples per distance (default: 32)")
+    parser.add_argument("--examples", type=positive_int, default=32, help="examples per distance (default: 32)")
     parser.add_argument("--only", nargs="+", choices=("dilated", "local", "dense"), help="run only these set-ups")
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
     args = parser.parse_args()

@@ -33,7 +33,8 @@ import torch
 from torch.nn import functional as F
 
 from dilated_attention.models import LongNetConfig, LongNetLM
-from dilated_attention.tools.benchmark import PeakMemory, json_from, machine_info
+from dilated_attention.tools.arguments import positive_float, positive_int, positive_ints, threads
+from dilated_attention.tools.benchmark import PeakMemory, json_from, machine_info, machine_words
 from dilated_attention.training import TrainSettings, read_log, train
 from dilated_attention.utils.files import write_results
 from dilated_attention.utils.plotting import pyplot, save
@@ -107,10 +108,7 @@ def speed(args, device) -> tuple[dict, str]:
                 f"{name:8} {context:6}: {cost['tokens_per_s']:8.0f} tokens/s, {cost['peak_mib']:7.0f} MiB", flush=True
             )
     lines = [
-        (
-            f"LongNet '{PRESET}' training step, batch 1, float32, {device.type} ({machine_info(device)['cpu']}, "
-            f"{torch.get_num_threads()} threads)"
-        ),
+        (f"LongNet '{PRESET}' training step, batch 1, float32, {device.type} ({machine_words(machine_info(device))})"),
         (
             f"{'context':>8} {'dilated tok/s':>14} {'dense tok/s':>12} {'speed-up':>9} "
             f"{'dilated MiB':>12} {'dense MiB':>10}"
@@ -157,7 +155,7 @@ def quality(args, device) -> tuple[dict, str]:
     lines = [
         (
             f"LongNet '{PRESET}', context {args.context}, batch 1, {args.minutes} min of training time each, "
-            f"{device.type} ({machine_info(device)['cpu']}, {torch.get_num_threads()} threads)"
+            f"{device.type} ({machine_words(machine_info(device))})"
         ),
         f"{'attention':>10} {'steps':>6} {'tokens':>10} {'val bits/byte':>14}",
     ]
@@ -212,19 +210,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="part", required=True, metavar="{speed,quality}")
     s = sub.add_parser("speed", help="tokens/s and peak memory of a training step")
-    s.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536])
-    s.add_argument("--repeats", type=int, default=2, help="timed steps per measurement (default: 2)")
-    s.add_argument("--max-seconds", type=float, default=400.0, help="skip a step predicted to take longer")
+    s.add_argument("--contexts", type=positive_ints, nargs="+", default=[4096, 16384, 65536])
+    s.add_argument("--repeats", type=positive_int, default=2, help="timed steps per measurement (default: 2)")
+    s.add_argument("--max-seconds", type=positive_float, default=400.0, help="skip a step predicted to take longer")
     q = sub.add_parser("quality", help="validation bits per byte after the same training time")
-    q.add_argument("--minutes", type=float, default=6.0, help="training time per model (default: 6)")
-    q.add_argument("--context", type=int, default=16384)
+    q.add_argument("--minutes", type=positive_float, default=6.0, help="training time per model (default: 6)")
+    q.add_argument("--context", type=positive_int, default=16384)
     one = sub.add_parser("row")  # one speed row, in the process speed starts for it
     one.add_argument("name", choices=("dilated", "dense"))
     one.add_argument("context", type=int)
     one.add_argument("--repeats", type=int, default=2, help="timed steps; 0: the memory of one step")
     for p in (s, q, one):
         p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-        p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's own)")
+        p.add_argument("--threads", type=threads, help="torch.set_num_threads (default: torch's own)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

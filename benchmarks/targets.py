@@ -16,6 +16,7 @@ import sys
 import torch
 
 from dilated_attention.tools import benchmark
+from dilated_attention.tools.arguments import positive_int, threads
 from dilated_attention.utils.files import write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,8 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=threads, default=2)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--skip-1m", action="store_true", help="skip the 1,048,576-token forward")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -104,8 +105,8 @@ def main() -> int:
         report.append({"target": name, "measured": value, "goal": goal_text, "met": met})
 
     # Each kind of CPU keeps its own results: the engine's share of the kernel differs between them.
-    machine = speed.machine.get("gpu") or benchmark.cpu_slug(speed.machine["cpu"])
-    stem = os.path.join(HERE, "results", f"targets-{args.device}-float32-{machine.replace(' ', '-')}")
+    machine = benchmark.machine_slug(torch.device(args.device))
+    stem = os.path.join(HERE, "results", f"targets-{args.device}-float32-{machine}")
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     runs = {
         name: [vars(r) for r in res.rows] for name, res in (("speed", speed), ("memory", memory), ("scaling", scaling))

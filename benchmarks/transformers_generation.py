@@ -50,6 +50,8 @@ import time
 
 import torch
 
+from dilated_attention.tools.arguments import positive_int, positive_ints
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETUPS = ("sdpa", "sdpa + static cache", "dilated", "dilated + DilatedCache")
 FLOOR = "no attention"  # timed beside the set-ups, its memory not measured
@@ -197,10 +199,10 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[5120, 62464])
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--timed-up-to", type=int, default=8192)
+    parser.add_argument("--lengths", type=positive_ints, nargs="+", default=[5120, 62464])
+    parser.add_argument("--new-tokens", type=positive_int, default=32)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--timed-up-to", type=positive_int, default=8192)
     parser.add_argument("--one", nargs=2, metavar=("SETUP", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--rounds-of", type=int, metavar="LENGTH", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -210,7 +212,7 @@ def main() -> None:
     if args.rounds_of:
         print(json.dumps(timed_rounds(args.rounds_of, args.new_tokens, args.rounds)))
         return
-    from dilated_attention.tools.benchmark import json_from, machine_info
+    from dilated_attention.tools.benchmark import json_from, machine_info, machine_words
     from dilated_attention.utils.files import write_results
 
     rows = []
@@ -235,7 +237,10 @@ def main() -> None:
         "branches": BRANCHES,
         "results": rows,
     }
-    text = table(rows)
+    text = (
+        f"transformers {transformers.__version__} generation, float32, {machine_words(payload['machine'])}, "
+        f"{args.new_tokens} new tokens\n{table(rows)}"
+    )
     print(text)
     write_results(os.path.join(HERE, "results", "transformers-generation-cpu"), payload, text)
 

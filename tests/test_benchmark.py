@@ -5,6 +5,7 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -18,6 +19,8 @@ from dilated_attention.tools.benchmark import PeakMemory, attended_pairs
 from dilated_attention.tools.cli import main
 from dilated_attention.utils.files import atomic_write, fresh_folder
 from helpers import configs
+
+MACHINE = benchmark.machine_slug(torch.device("cpu"))  # results files name the machine
 
 
 @given(configs(max_len=40))
@@ -202,7 +205,7 @@ def test_bench_writes_into_a_fresh_timestamped_folder_by_default(tmp_path, monke
     assert main(TINY_BENCH) == 0
     (folder,) = os.listdir(tmp_path)
     assert re.fullmatch(r"dilated-attention-bench-\d{8}-\d{6}", folder)
-    assert sorted(os.listdir(folder)) == ["bench-cpu-float32.json", "bench-cpu-float32.png", "bench-cpu-float32.txt"]
+    assert sorted(os.listdir(folder)) == [f"bench-cpu-float32-{MACHINE}.{e}" for e in ("json", "png", "txt")]
     assert os.path.abspath(folder) in capsys.readouterr().out
 
 
@@ -392,12 +395,12 @@ def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):
         str(tmp_path),
     ]
     assert main(args) == 0
-    written = json.loads((tmp_path / "decode-cpu-float32.json").read_text())
+    written = json.loads((tmp_path / f"decode-cpu-float32-{MACHINE}.json").read_text())
     rows = written["rows"]
     padded = written["padded_against_equal"]
     assert [r["position"] for r in padded] == [64, 256]
     assert all(r["ratio"] == pytest.approx(r["padded_ms"] / r["equal_ms"]) and r["equal_ms"] > 0 for r in padded)
-    assert "left-padded over B=8 at equal positions" in (tmp_path / "decode-cpu-float32.txt").read_text()
+    assert "left-padded over B=8 at equal positions" in (tmp_path / f"decode-cpu-float32-{MACHINE}.txt").read_text()
     assert [(r["impl"], r["batch"], r["position"]) for r in rows] == [
         (impl, batch, position)
         for position in (64, 256)
@@ -412,8 +415,8 @@ def test_decode_bench_writes_its_table_json_and_plot(tmp_path, capsys):
     dilated = [r["cache_bytes"] for r in rows if r["impl"] == "dilated" and r["batch"] == "1"]
     dense = [r["cache_bytes"] for r in rows if r["impl"] == "dense" and r["batch"] == "1"]
     assert dilated[0] == dilated[1] and dense[1] > 2 * dense[0]  # bounded, against growing
-    assert (tmp_path / "decode-cpu-float32.png").read_bytes()[:4] == b"\x89PNG"
-    assert "dense/dilated" in (tmp_path / "decode-cpu-float32.txt").read_text()
+    assert (tmp_path / f"decode-cpu-float32-{MACHINE}.png").read_bytes()[:4] == b"\x89PNG"
+    assert "dense/dilated" in (tmp_path / f"decode-cpu-float32-{MACHINE}.txt").read_text()
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -482,3 +485,111 @@ def test_bench_names_the_kernels_and_the_floor_of_each_row(tmp_path):
     assert rows["mixture-torch"]["kernels"].startswith("torch (CpuFlashKernel")
     assert all(0 < row["fwd_floor_ms"] < row["fwd_ms"] for row in rows.values())
     assert "floor" in (tmp_path / "kernels.txt").read_text()
+
+
+def test_bench_refuses_what_an_implementation_would_refuse_before_measuring(monkeypatch):
+    """head_groups with fewer heads than branches: refused before the matmul reference
+    (and before any dense row) runs."""
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before the refusal")
+
+    monkeypatch.setattr(benchmark, "matmul_gflops", measured)
+    cfg = benchmark.BenchConfig(seq_lens=[64], segment_lengths=[16, 32], dilation_rates=[1, 2], heads=1)
+    with pytest.raises(ValueError, match="needs at least one head per branch"):
+        benchmark.run(dataclasses.replace(cfg, implementations=("dense", "head_groups")), progress=False)
+
+
+def test_bench_skips_a_first_length_whose_floor_passes_max_seconds(tmp_path, capsys):
+    """Without an earlier length to scale from, the prediction is the row's floor at the
+    run's matmul speed: dense at N=4096 is not run when --max-seconds is tiny."""
+    args = [a if a != "mixture" else "dense" for a in TINY_BENCH]
+    args[args.index("64")] = "4096"
+    assert main([*args, "--max-seconds", "0.001", "--no-plot", "--no-memory", "--out-dir", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / f"bench-cpu-float32-{MACHINE}.json").read_text())["rows"]
+    assert row["fwd_ms"] is None and row["note"].startswith("skipped: predicted")
+
+
+@pytest.mark.parametrize(("seq_len", "w", "r"), [(1, 16, 1), (40, 16, 4), (64, 10**6, 1), (64, 16, 100)])
+def test_kernel_row_is_the_first_branch_work_at_that_length(seq_len, w, r):
+    """The kernel row times the first branch's segments at N (w and r clamped to N as
+    the planner clamps them), never more rows than the sequence holds."""
+    cfg = benchmark.BenchConfig(seq_lens=[seq_len], segment_lengths=[w], dilation_rates=[r], heads=2, head_dim=4)
+    shape, pairs = benchmark.work_of("kernel", seq_len, cfg)
+    segment = min(w, seq_len)
+    rows = -(-segment // min(r, segment))
+    assert shape == (seq_len // segment, 2, rows, 4) and pairs == shape[0] * 2 * rows * rows
+    library = benchmark.attended_pairs(1, seq_len, 2, [w], [r], "mixture", False)
+    assert pairs <= library  # whole segments only: the first branch's work, or less
+
+
+def test_dense_rows_name_the_sdpa_backend_they_ran(tmp_path):
+    args = [a if a != "mixture" else "dense" for a in TINY_BENCH]
+    assert main([*args, "--no-plot", "--no-memory", "--out-dir", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / f"bench-cpu-float32-{MACHINE}.json").read_text())["rows"]
+    # on the CPU only the flash backend among the fused ones takes these inputs
+    assert row["kernels"] == "SDPA, FLASH_ATTENTION backend forced (the only fused one that runs)"
+    assert "dense: SDPA, FLASH_ATTENTION backend forced" in (tmp_path / f"bench-cpu-float32-{MACHINE}.txt").read_text()
+
+
+def test_bench_results_record_their_options_and_drop_an_earlier_plot(tmp_path, capsys):
+    assert main([*TINY_BENCH, "--no-memory", "--out-dir", str(tmp_path), "--name", "r"]) == 0
+    assert (tmp_path / "r.png").is_file()
+    assert main([*TINY_BENCH, "--no-memory", "--out-dir", str(tmp_path), "--name", "r", "--no-plot"]) == 0
+    assert not (tmp_path / "r.png").exists()  # the plot of the earlier run would pass for this one's
+    assert "the earlier run's .png removed" in capsys.readouterr().out
+    written = json.loads((tmp_path / "r.json").read_text())["arguments"]
+    assert written["seq_lens"] == [64] and written["no_plot"] is True and written["impl"] == ["mixture"]
+
+
+def test_decode_bench_spreads_its_timed_steps_over_a_whole_cycle(monkeypatch):
+    """Steps timed at a position that starts every segment would all be the cheapest
+    (a window of a few keys): fewer steps than the cycle are spread evenly over it,
+    the positions between them fed untimed."""
+    from dilated_attention.tools import decode_benchmark as db
+
+    cfg = db.DecodeConfig(segment_lengths=(8, 32, 128), dilation_rates=(1, 2, 4), heads=2, head_dim=4, steps=4)
+    assert db.span_of(cfg, 1024) == 128 and db.timed_offsets(cfg, 1024) == [0, 32, 64, 96]
+    assert db.span_of(cfg, 100) == 100 and db.timed_offsets(cfg, 100) == [0, 25, 50, 75]
+    assert db.span_of(cfg, 3) == 64 and db.timed_offsets(dataclasses.replace(cfg, steps=1000), 3) == list(range(64))
+    cache, tokens = db._fed_cache(cfg, 1024, [0, 0])
+    timed_at = []
+
+    def timed(cache, tokens, i, device):
+        timed_at.append(int(cache.position[0]))
+        cache.attend(tokens[0], tokens[0], tokens[0])
+        return 1.0
+
+    monkeypatch.setattr(db, "_step_seconds", timed)
+    assert list(db._timed_steps(cache, tokens, cfg, 1024)) == [1.0] * 4
+    # the step before each timed one is taken (untimed) as a step of its own
+    assert timed_at == [1024, 1055, 1056, 1087, 1088, 1119, 1120]
+    assert int(cache.position[0]) == 1121
+
+
+def test_decode_bench_measures_each_batch_and_position_once(tmp_path, capsys):
+    args = ["decode-bench", "--positions", "40", "40", "--batch", "1", "--segment-lengths", "8", "16"]
+    args += ["--dilation-rates", "1", "2", "--heads", "2", "--head-dim", "4", "--steps", "8", "--dense-steps", "2"]
+    assert main([*args, "--no-plot", "--out-dir", str(tmp_path), "--name", "d"]) == 0
+    rows = json.loads((tmp_path / "d.json").read_text())["rows"]
+    assert [(r["impl"], r["batch"], r["position"]) for r in rows] == [("dilated", "1", 40), ("dense", "1", 40)]
+    captured = capsys.readouterr()
+    assert "position        40" in captured.err and "position        40" not in captured.out  # progress: stderr
+    assert main([*args, "--no-plot", "--out-dir", str(tmp_path), "--name", "d", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["targets.py", "--threads", "0"],
+        ["edge_costs.py", "--threads", "0"],
+        ["distributed.py", "--nprocs", "0"],
+        ["longnet_training.py", "speed", "--repeats", "0"],
+        ["transformers_generation.py", "--new-tokens", "0"],
+    ],
+)
+def test_benchmark_scripts_refuse_bad_options_in_one_line(command):
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", command[0])
+    done = subprocess.run([sys.executable, script, *command[1:]], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "must be" in done.stderr and "Traceback" not in done.stderr

@@ -138,11 +138,11 @@ def test_site_builds_strict_with_the_api_reference_and_results(tmp_path):
     assert "register" in (site / "api-transformers" / "index.html").read_text()
     performance = (site / "performance" / "index.html").read_text()
     # the results files, included as committed: the CPU table's heading lines and every row
-    bench = (ROOT / "benchmarks" / "results" / "bench-cpu-float32.txt").read_text().split("\n\n")
+    bench = (ROOT / "benchmarks" / "results" / "bench-cpu-float32-amd-epyc.txt").read_text().split("\n\n")
     for line in "\n".join(bench[:2]).splitlines():
         assert html.escape(line, quote=False) in performance, line
-    assert (site / "results" / "bench-cpu-float32.txt").is_file()
-    assert (site / "results" / "decode-cpu-float32.png").is_file()
+    assert (site / "results" / "bench-cpu-float32-amd-epyc.txt").is_file()
+    assert (site / "results" / "decode-cpu-float32-amd-epyc.png").is_file()
 
 
 def test_strict_build_fails_on_a_broken_link_or_anchor(tmp_path):

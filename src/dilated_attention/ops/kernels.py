@@ -198,8 +198,9 @@ def _packed_keys(q, k, v):
     than one query block and they are strided views (dilated or ``(B, L, H, D)``
     rows): measured on a Xeon (2 threads, float32, 2048-row segments), rows ``H * D``
     or ``2 * H * D`` elements apart made a forward 4-8% slower than contiguous ones,
-    and the dilated call with its keys packed first 4%; a backward 3%, packed 0%.
-    Short queries (decode steps) read the keys once: they stay views."""
+    and the dilated call with its keys packed first 4%; a backward 3%, packed 0%
+    (``benchmarks/cpu_costs.py`` times forwards with and without it). Short queries
+    (decode steps) read the keys once: they stay views."""
     if q.shape[2] <= CPU_QUERY_BLOCK:
         return k, v
     return k.contiguous(), v.contiguous()

@@ -15,6 +15,7 @@ memory is not silently reused.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..functional import dilated_attention
-from ..ops import fused
+from ..ops import fused, validation
 from ..ops.intmath import ceil_div
 from ..ops.kernels import select_kernel
 from ..ops.plan import make_plan
@@ -320,7 +321,7 @@ class Row:
     io_bytes: int = 0  # bytes of q, k, v and the output
     fwd_floor_ms: float | None = None  # the larger of FLOPs / matmul rate and io bytes / copy bandwidth
     fwd_bwd_floor_ms: float | None = None  # the same with 3.5x the FLOPs and 3x the bytes
-    kernels: str = ""  # which kernels the library ran
+    kernels: str = ""  # which kernels ran: the library's, or the dense row's SDPA backend
     note: str = ""
 
 
@@ -333,31 +334,41 @@ class BenchResult:
     rows: list[Row] = field(default_factory=list)
 
 
+def work_of(impl: str, seq_len: int, cfg: BenchConfig) -> tuple[tuple[int, int, int, int], int]:
+    """``(shape, pairs)``: the shape of each input of ``impl`` at ``seq_len`` and the
+    (query, key) pairs it attends (see :func:`_workload`), without a tensor made."""
+    if impl != "kernel":
+        mode = "mixture" if impl == "flex" else impl.partition("-")[0]
+        args = (cfg.batch, seq_len, cfg.heads, cfg.segment_lengths, cfg.dilation_rates)
+        return (cfg.batch, seq_len, cfg.heads, cfg.head_dim), attended_pairs(*args, mode, cfg.is_causal)
+    w = min(cfg.segment_lengths[0], seq_len)  # the first branch, clamped as the planner does
+    rows = ceil_div(w, min(cfg.dilation_rates[0], w))
+    shape = (cfg.batch * (seq_len // w), cfg.heads, rows, cfg.head_dim)
+    return shape, shape[0] * shape[1] * (rows * (rows + 1) // 2 if cfg.is_causal else rows * rows)
+
+
 def _workload(impl: str, seq_len: int, cfg: BenchConfig):
     """``(inputs, fn, fn_with_grad, pairs)`` of one implementation at one length
     (``fn_with_grad``: the kernel's own forward and backward, else ``None``).
 
-    ``dense``: PyTorch SDPA over the whole sequence. ``kernel``: the fused kernel the
+    ``dense``: PyTorch SDPA over the whole sequence (:func:`measure` forces the
+    fastest backend, :func:`fastest_dense`). ``kernel``: the fused kernel the
     engine uses, alone, on one contiguous batch shaped like the first branch's work
-    (``B * N // w`` segments of ``ceil(w / r)`` rows, all heads): the ceiling the
+    (``B * N // w`` segments of ``ceil(w / r)`` rows, all heads, with ``w`` and ``r``
+    at most ``N``): the ceiling the
     engine's overhead is measured against. ``mixture``/``head_groups``: the library
     (``mixture-torch``: on PyTorch's kernels). ``flex``: FlexAttention with the
     mixture's pattern as a block mask and each key's branch count in the score (see
     :func:`flex_mixture`): the same function, the nearest peer.
     """
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
-    args = (cfg.batch, seq_len, cfg.heads, cfg.segment_lengths, cfg.dilation_rates)
+    shape, pairs = work_of(impl, seq_len, cfg)
     if impl == "kernel":
-        w, r = cfg.segment_lengths[0], cfg.dilation_rates[0]
-        rows = ceil_div(w, r)
-        shape = (cfg.batch * max(seq_len // w, 1), cfg.heads, rows, cfg.head_dim)
         kernel = select_kernel(device, dtype, 0.0)
         scale = cfg.head_dim**-0.5
 
         def fn(q, k, v):
             return kernel.forward(q, k, v, None, cfg.is_causal, scale)[0]
-
-        pairs = shape[0] * shape[1] * (rows * (rows + 1) // 2 if cfg.is_causal else rows * rows)
 
         def kernel_with_grad(q, k, v, grad):  # the kernel's own backward
             out, lse = kernel.forward(q, k, v, None, cfg.is_causal, scale)
@@ -366,16 +377,9 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
         fn_with_grad: Callable | None = kernel_with_grad
 
     else:
-        shape = (cfg.batch, seq_len, cfg.heads, cfg.head_dim)
-        pairs = attended_pairs(*args, "mixture" if impl == "flex" else impl.partition("-")[0], cfg.is_causal)
         fn_with_grad = None
         if impl == "dense":
-
-            def fn(q, k, v):
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=cfg.is_causal
-                )
-                return out.transpose(1, 2)
+            fn = dense_attention(cfg.is_causal)
 
         elif impl == "flex":
             fn = flex_mixture(seq_len, cfg.heads, cfg.segment_lengths, cfg.dilation_rates, cfg.is_causal, device)
@@ -396,6 +400,50 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
 
     inputs = [torch.randn(shape, device=device, dtype=dtype) for _ in range(4)]
     return inputs, fn, fn_with_grad, pairs
+
+
+# SDPA's backends a dense row chooses from, fused ones: the math backend (which holds
+# an ``N x N`` matrix) only where none of them runs.
+FUSED_SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def dense_attention(is_causal: bool, backend=None) -> Callable:
+    """``fn(q, k, v)`` on ``(B, N, H, D)`` tensors: PyTorch's SDPA over the whole
+    sequence, on ``backend`` (a ``torch.nn.attention.SDPBackend``) or its own choice."""
+    from torch.nn.attention import sdpa_kernel
+
+    def fn(q, k, v):
+        with contextlib.nullcontext() if backend is None else sdpa_kernel([backend]):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal
+            )
+        return out.transpose(1, 2)
+
+    return fn
+
+
+def fastest_dense(inputs, is_causal: bool, backward: bool, device: torch.device):
+    """``(backend, words)``: the SDPA backend that runs a dense call on ``inputs`` (``q,
+    k, v, grad``) fastest, forward and backward with ``backward``: each fused backend
+    that runs here, timed once after a warm-up (the math backend where none runs)."""
+    from torch.nn.attention import SDPBackend
+
+    times = {}
+    for name in FUSED_SDPA_BACKENDS:
+        call = dense_attention(is_causal, getattr(SDPBackend, name))
+        step = _with_backward([t.detach().clone() for t in inputs], call, None) if backward else None
+        try:
+            with torch.no_grad() if step is None else contextlib.nullcontext():
+                run_once = step or functools.partial(call, *inputs[:3])
+                run_once()
+                times[name] = _seconds(run_once, device)
+        except RuntimeError:  # "No available kernel": the backend does not take these inputs here
+            continue
+    if not times:
+        return SDPBackend.MATH, "SDPA, math backend (no fused backend takes these inputs)"
+    best = min(times, key=times.__getitem__)
+    others = f"the fastest of {', '.join(sorted(times))}" if len(times) > 1 else "the only fused one that runs"
+    return getattr(SDPBackend, best), f"SDPA, {best} backend forced ({others})"
 
 
 def flex_mixture(
@@ -478,6 +526,21 @@ def cpu_slug(model: str) -> str:
     return "-".join(words) or "unknown"
 
 
+def machine_words(machine: dict) -> str:
+    """The machine of :func:`machine_info` in words, for a results table's header:
+    ``"AMD EPYC, 2 threads, torch 2.13.0+cpu"`` (the GPU's name first on CUDA)."""
+    where = f"{machine['gpu']} ({machine['cpu']})" if "gpu" in machine else machine["cpu"]
+    return f"{where}, {machine['threads']} threads, torch {machine['torch']}"
+
+
+def machine_slug(device: torch.device) -> str:
+    """A file-name part for the machine a benchmark runs on: the GPU's name on CUDA
+    (``"NVIDIA-H200"``), else the CPU's model (:func:`cpu_slug`)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace(" ", "-")
+    return cpu_slug(_cpu_model())
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -493,7 +556,7 @@ def measure(
     impl: str,
     seq_len: int,
     cfg: BenchConfig,
-    predicted_s: float | None,
+    predicted_s: float | None = None,
     ceilings: tuple[float, float] = (math.inf, math.inf),
 ) -> Row:
     """One row: forward (and forward + backward) time, GFLOP/s, ratio to the matmul
@@ -523,6 +586,9 @@ def measure(
     row.fwd_bwd_floor_ms = 1e3 * max(3.5 * gflop / rate, 3 * row.io_bytes / 1e9 / bandwidth)
     if impl in ("mixture", "head_groups", "mixture-torch"):
         row.kernels = fused.describe(q, kernel=impl.partition("-")[2] or None)
+    if impl == "dense":
+        backend, row.kernels = fastest_dense((q, k, v, grad), cfg.is_causal, cfg.backward, device)
+        fn = dense_attention(cfg.is_causal, backend)
     with torch.no_grad():
         seconds, per_matmul = time_against_matmul(lambda: fn(q, k, v), device, dtype, cfg.repeats, cfg.matmul_size)
     row.fwd_ms, row.fwd_gflops, row.fwd_ratio = 1e3 * seconds, gflop / seconds, gflop * per_matmul
@@ -633,28 +699,46 @@ def _progress(done: int, total: int, label: str) -> None:
     sys.stderr.flush()
 
 
+def check_config(cfg: BenchConfig) -> None:
+    """A ``ValueError`` for a configuration some implementation would refuse, before
+    any measurement."""
+    validation.check_branches(cfg.segment_lengths, cfg.dilation_rates)
+    if "head_groups" in cfg.implementations:
+        validation.check_head_groups(cfg.heads, len(cfg.segment_lengths))
+
+
+def _predicted_seconds(impl: str, seq_len: int, cfg: BenchConfig, previous: Row | None, result: BenchResult) -> float:
+    """What measuring ``impl`` at ``seq_len`` would take: from its ``previous`` timed
+    row, grown as its work grows (``N^2`` for dense, ``N`` for the rest); for its first
+    length, from the row's floor at the run's matmul rate (a lower bound)."""
+    calls = cfg.repeats + 2  # a warm-up and the timed runs, one more selecting a dense backend
+    if previous is not None:
+        growth = (seq_len / previous.seq_len) ** (2 if impl == "dense" else 1)
+        return calls * (previous.fwd_bwd_ms or previous.fwd_ms or 0.0) / 1e3 * growth
+    gflop = 4 * cfg.head_dim * work_of(impl, seq_len, cfg)[1] / 1e9
+    return calls * (3.5 if cfg.backward else 1.0) * gflop / result.matmul_gflops
+
+
 def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
     """Measure every implementation at every length, after the matmul reference: the
     timings, then the peak memory of what was timed (:func:`measure_memories`)."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    check_config(cfg)
     torch.manual_seed(0)
     result = BenchResult(cfg, machine_info(device), matmul_gflops(device, dtype, cfg.matmul_size), copy_gbps(device))
     track_memory = cfg.memory and PeakMemory.supported(device)
-    total = len(cfg.implementations) * len(cfg.seq_lens) + (1 if track_memory else 0)
+    impls, lengths = list(dict.fromkeys(cfg.implementations)), sorted(set(cfg.seq_lens))
+    total = len(impls) * len(lengths) + (1 if track_memory else 0)
     last: dict[str, Row | None] = {}
-    for impl in cfg.implementations:
-        for seq_len in sorted(cfg.seq_lens):
+    for impl in impls:
+        for seq_len in lengths:
             if progress:
                 _progress(len(result.rows), total, f"{impl} N={seq_len}")
-            prev = last.get(impl)
-            predicted = None
-            if prev is not None and prev.fwd_ms is not None:
-                growth = (seq_len / prev.seq_len) ** (2 if impl == "dense" else 1)
-                per_call = (prev.fwd_bwd_ms or prev.fwd_ms) / 1e3 * growth
-                predicted = per_call * (cfg.repeats + 2)
+            predicted = _predicted_seconds(impl, seq_len, cfg, last.get(impl), result)
             row = measure(impl, seq_len, cfg, predicted, (result.matmul_gflops, result.copy_gbps))
             result.rows.append(row)
-            last[impl] = row if row.fwd_ms is not None else prev
+            if row.fwd_ms is not None:
+                last[impl] = row
     timed = [row for row in result.rows if row.fwd_ms is not None]
     if track_memory and timed:
         if progress:
@@ -684,7 +768,8 @@ def format_table(result: BenchResult) -> str:
     lines = [
         (
             f"device {cfg.device} ({result.machine.get('gpu', result.machine['cpu'])}), "
-            f"{result.machine['threads']} threads, {cfg.dtype}, B={cfg.batch} H={cfg.heads} D={cfg.head_dim}, "
+            f"{result.machine['threads']} threads, torch {result.machine['torch']}, {cfg.dtype}, "
+            f"B={cfg.batch} H={cfg.heads} D={cfg.head_dim}, "
             f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}"
             f"{', causal' if cfg.is_causal else ''}"
         ),

@@ -172,8 +172,10 @@ def _check_destination(args, kind: str) -> None:
 
 
 def _results_stem(args, kind: str, out_dir: str) -> str:
-    """Where a benchmark's results go, less the extension: ``<--name or kind-device-dtype>``."""
-    return os.path.join(out_dir, args.name or f"{kind}-{args.device}-{args.dtype}")
+    """Where a benchmark's results go, less the extension: ``<--name or
+    kind-device-dtype-machine>`` (a run on another machine keeps its own files)."""
+    machine = benchmark.machine_slug(torch.device(args.device))
+    return os.path.join(out_dir, args.name or f"{kind}-{args.device}-{args.dtype}-{machine}")
 
 
 def _cmd_bench(args) -> int:
@@ -238,7 +240,7 @@ def _cmd_decode_bench(args) -> int:
         "use a smaller --batch (or shorter --segment-lengths, fewer --heads or a smaller --head-dim)",
     )
     _set_threads(args)
-    result = decode_benchmark.run(cfg)
+    result = decode_benchmark.run(cfg, progress=None if args.quiet else decode_benchmark.say)
     return _save_results(
         args,
         "decode",
@@ -250,14 +252,20 @@ def _cmd_decode_bench(args) -> int:
 
 def _save_results(args, kind: str, payload: dict, table: str, plot) -> int:
     """Print ``table``; write it, ``payload`` (JSON) and, unless ``--no-plot``, ``plot(path)``
-    (PNG) into the results folder as ``<--name or kind-device-dtype>.*``; say where."""
+    (PNG) into the results folder as ``<--name or kind-device-dtype-machine>.*``; say where."""
     print(table)
     out_dir = _bench_folder(args.out_dir)
     stem = _results_stem(args, kind, out_dir)
-    write_results(stem, payload, table)
+    # the options as parsed, so that the run can be repeated from its file
+    arguments = {name: value for name, value in vars(args).items() if name != "run"}
+    write_results(stem, {**payload, "arguments": arguments}, table)
+    files = f"{os.path.basename(stem)}.json, .txt"
     if not args.no_plot:
         plot(stem + ".png")
-    files = f"{os.path.basename(stem)}.json, .txt" + ("" if args.no_plot else ", .png")
+        files += ", .png"
+    elif os.path.isfile(stem + ".png"):  # an earlier run's plot would pass for this run's
+        os.remove(stem + ".png")
+        files += " (the earlier run's .png removed)"
     print(f"results in {os.path.abspath(out_dir)}: {files}")
     return 0
 
@@ -445,7 +453,11 @@ def _add_run_options(bench, tensors: str, stem: str) -> None:
         help="folder to write the results into, created if missing (default: a new "
         "folder dilated-attention-bench-YYYYmmdd-HHMMSS in the current directory)",
     )
-    bench.add_argument("--name", help=f"file name stem of the JSON, text and PNG files (default: {stem}-DEVICE-DTYPE)")
+    bench.add_argument(
+        "--name",
+        help=f"file name stem of the JSON, text and PNG files (default: {stem}-DEVICE-DTYPE-MACHINE, the "
+        "machine as the CPU model or the GPU's name)",
+    )
 
 
 def _add_bench(sub) -> None:
@@ -539,8 +551,9 @@ def _add_decode_bench(sub) -> None:
         "--steps",
         type=positive_int,
         default=8192,
-        help="one-token steps timed per position for the dilated cache; lcm of the segment lengths "
-        "covers every phase of the segments (default: 8192)",
+        help="one-token steps timed per position for the dilated cache, spread evenly over a whole "
+        "cycle of segment phases (lcm of the segment lengths, at most 65536 positions; fewer before the "
+        "position reaches it): a step's cost depends on its place in its segments (default: 8192)",
     )
     bench.add_argument(
         "--dense-steps",
@@ -548,6 +561,7 @@ def _add_decode_bench(sub) -> None:
         default=16,
         help="one-token steps timed per position for the dense cache (default: 16)",
     )
+    bench.add_argument("--quiet", action="store_true", help="no progress on stderr (default: off)")
     bench.set_defaults(run=_cmd_decode_bench)
 
 

@@ -6,12 +6,14 @@ one token per sequence per step. Three batches: one sequence; ``B`` sequences at
 position; ``B`` sequences left-padded to different lengths (each row ``p_b`` tokens
 of padding before its first token, so its positions are ``P - p_b``).
 
-Both are timed over the same span of positions from ``P``: ``min(steps, P)`` steps
-(at least 64): around ``P`` for short texts, a whole cycle of segment phases once
-``P >= steps = lcm(segment_lengths)`` (the long-run cost per token).
+Both are timed over the same span of positions from ``P`` (:func:`span_of`): a whole
+cycle of segment phases, ``lcm(segment_lengths)`` positions, once ``P`` reaches it (the
+long-run cost per token: a step's cost depends on its place in its segments), else
+``P`` positions (at least 64) around ``P`` for short texts. ``steps`` steps spread
+evenly over the span are timed, the positions between them fed untimed as chunks.
 
-- ``dilated``: :class:`DilatedKVCache` (its lean decode path), the mean over every
-  step of the span, the median of three such rounds, each from a copy of one state.
+- ``dilated``: :class:`DilatedKVCache` (its lean decode path), the mean over the
+  timed steps of the span, the median of three such rounds, each from a copy of one state.
   It is started at the latest common segment boundary at most
   ``lcm(segment_lengths)`` before ``P`` (it never needs anything earlier, so its state
   is that of a cache fed from position 0); a padded batch is fed from its start (up
@@ -39,6 +41,7 @@ import dataclasses
 import functools
 import math
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -56,6 +59,9 @@ MAX_DENSE_BYTES = 8 * 2**30
 GRAPH_REPLAYS = 32
 # Left-padded batches are measured up to this position (each is fed from its start).
 MAX_PADDED_POSITION = 65536
+# The span a position's steps are timed over is at most this many positions (a
+# whole cycle of segment phases where ``lcm(segment_lengths)`` is no longer).
+MAX_SPAN = 65536
 
 
 @dataclass
@@ -137,24 +143,46 @@ def _fed_cache(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> tuple[D
     generator = torch.Generator().manual_seed(position)
     tokens = _tokens(cfg, batch, min(cfg.steps, 64), generator)
     with torch.inference_mode():  # as a generation loop runs
-        chunk = max(cfg.segment_lengths)
-        for at in range(start, position, chunk):
-            history = torch.randn(batch, min(chunk, position - at), cfg.heads, cfg.head_dim, generator=generator)
-            history = history.to(device, dtype)
-            cache.attend(history, history, history)
+        _feed(cache, position - start, cfg, generator)
     _synchronize(device)
     return cache, tokens
+
+
+def _feed(cache: DilatedKVCache, count: int, cfg: DecodeConfig, generator: torch.Generator) -> None:
+    """Feed ``count`` positions of random keys (also the queries and values) to every
+    sequence of ``cache``, in chunks of at most ``max(segment_lengths)``."""
+    chunk = max(cfg.segment_lengths)
+    for at in range(0, count, chunk):
+        size = (cache.shape[0], min(chunk, count - at), cfg.heads, cfg.head_dim)
+        history = torch.randn(size, generator=generator).to(cfg.device, getattr(torch, cfg.dtype))
+        cache.attend(history, history, history)
+
+
+def _timed_steps(cache: DilatedKVCache, tokens: Sequence[torch.Tensor], cfg: DecodeConfig, position: int):
+    """Seconds of each timed step of the span from ``position`` (:func:`timed_offsets`),
+    one by one as a generator. The positions between two timed steps are fed untimed,
+    the last of them as a step of its own: the first step after a chunk moves the
+    cache's buffers (measured on a Xeon: twice a step's time), which a generation
+    loop's steps do not."""
+    device, done = torch.device(cfg.device), 0
+    generator = torch.Generator().manual_seed(position + 1)
+    for i, offset in enumerate(timed_offsets(cfg, position)):
+        if offset > done:
+            _feed(cache, offset - done - 1, cfg, generator)
+            _step_seconds(cache, tokens, i, device)
+        yield _step_seconds(cache, tokens, i, device)
+        done = offset + 1
 
 
 def step_times(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> list[DecodeRow]:
     """Time per token of a :class:`DilatedKVCache` and of a dense cache over the span
     from ``position`` on, rows left-padded by ``pads``, in ``cfg.rounds`` rounds that
     alternate the two (a slow spell of the machine touches both alike): in each, the
-    dilated cache (a copy of one state) takes every step of the span, then the dense
-    cache ``cfg.dense_steps`` of them spread evenly, after one untimed step (each
-    side runs with its own data in the processor's caches, as it would alone).
-    Dilated: the mean over the span, the median of the rounds; dense: the median of
-    all its steps."""
+    dilated cache (a copy of one state) takes the timed steps of the span, then the
+    dense cache ``cfg.dense_steps`` steps spread evenly over it, after one untimed step
+    (each side runs with its own data in the processor's caches, as it would alone).
+    Dilated: the mean over the timed steps, the median of the rounds; dense: the
+    median of all its steps."""
     cache, tokens = _fed_cache(cfg, position, pads)
     dense_step, dense_bytes = _dense_cache(cfg, position, pads)
     device, span = torch.device(cfg.device), span_of(cfg, position)
@@ -163,7 +191,7 @@ def step_times(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> list[De
     with torch.inference_mode():
         for _ in range(cfg.rounds):
             fed = copy.deepcopy(cache)
-            means.append(statistics.fmean(_step_seconds(fed, tokens, i, device) for i in range(span)))
+            means.append(statistics.fmean(_timed_steps(fed, tokens, cfg, position)))
             if dense_step is not None:
                 dense_step(dense_at[0])
                 dense_times += [_seconds(functools.partial(dense_step, at), device) for at in dense_at]
@@ -176,15 +204,14 @@ def step_times(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> list[De
 
 
 def padded_against_equal(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> dict:
-    """The left-padded batch's time per token over the equal batch's, their steps
-    alternating over the span (a slow spell of the machine touches both alike)."""
+    """The left-padded batch's time per token over the equal batch's, their timed
+    steps alternating over the span (a slow spell of the machine touches both alike)."""
     caches = [_fed_cache(cfg, position, pads), _fed_cache(cfg, position, [0] * len(pads))]
-    device, totals = torch.device(cfg.device), [0.0, 0.0]
+    totals = [0.0, 0.0]
     with torch.inference_mode():
-        for i in range(span_of(cfg, position)):
-            for which, (cache, tokens) in enumerate(caches):
-                totals[which] += _step_seconds(cache, tokens, i, device)
-    steps = span_of(cfg, position) * len(pads)
+        for seconds in zip(*(_timed_steps(cache, tokens, cfg, position) for cache, tokens in caches), strict=True):
+            totals = [total + s for total, s in zip(totals, seconds, strict=True)]
+    steps = len(timed_offsets(cfg, position)) * len(pads)
     padded, equal = (1e3 * total / steps for total in totals)
     return {"position": position, "padded_ms": padded, "equal_ms": equal, "ratio": padded / equal}
 
@@ -242,8 +269,18 @@ def _step_seconds(cache: DilatedKVCache, tokens: Sequence[torch.Tensor], i: int,
 
 
 def span_of(cfg: DecodeConfig, position: int) -> int:
-    """How many steps from ``position`` both caches are timed over."""
-    return max(64, min(cfg.steps, position))
+    """How many positions from ``position`` on both caches are timed over: a whole
+    cycle of segment phases (``lcm(segment_lengths)``, at most :data:`MAX_SPAN`) once
+    ``position`` reaches it, else ``position`` (at least 64)."""
+    return max(64, min(math.lcm(*cfg.segment_lengths), MAX_SPAN, position))
+
+
+def timed_offsets(cfg: DecodeConfig, position: int) -> list[int]:
+    """The steps timed, as offsets from ``position``: ``cfg.steps`` of the span spread
+    evenly over it (every step where the span is no longer)."""
+    span = span_of(cfg, position)
+    count = min(cfg.steps, span)
+    return [i * span // count for i in range(count)]
 
 
 def _sdpa(q, k, v, mask):
@@ -349,17 +386,26 @@ def _batch_name(pads: Sequence[int]) -> str:
     return "1" if len(pads) == 1 else f"{len(pads)} {'padded' if any(pads) else 'equal'}"
 
 
-def run(cfg: DecodeConfig, progress=print) -> DecodeResult:
+def say(line: str) -> None:
+    """One line of progress, on stderr."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def run(cfg: DecodeConfig, progress: Callable[[str], object] | None = say) -> DecodeResult:
+    """Every row of the table, in order; a line per row to ``progress`` (by default on
+    stderr; ``None``: quiet)."""
+    progress = progress or (lambda line: None)
     result = DecodeResult(cfg, machine_info(torch.device(cfg.device)))
     measures: list[Callable[[DecodeConfig, int, Sequence[int]], list[DecodeRow]]] = [step_times]
     if cfg.device == "cuda":
         measures += [functools.partial(graph_step_times, impl=impl) for impl in ("dilated-graph", "dense-graph")]
     for measure in measures:  # the first steps of a process pay for its warm-up: not recorded
         measure(dataclasses.replace(cfg, steps=64, rounds=1, dense_steps=4), min(cfg.positions), [0])
-    for position in cfg.positions:
+    for position in sorted(set(cfg.positions)):
         padded = padding_of(cfg, cfg.batch, position)
         fed = any(padded) and position <= MAX_PADDED_POSITION  # a padded batch is fed from its start
-        for pads in [[0], [0] * cfg.batch] + ([padded] if fed else []):
+        batches = [[0]] + ([[0] * cfg.batch] if cfg.batch > 1 else []) + ([padded] if fed else [])
+        for pads in batches:
             for measure in measures:
                 for row in measure(cfg, position, pads):
                     result.rows.append(row)
@@ -384,10 +430,13 @@ def format_table(result: DecodeResult) -> str:
             f"segment_lengths={list(cfg.segment_lengths)} dilation_rates={list(cfg.dilation_rates)}"
         ),
         (
-            f"ms per token (a step's time over its batch) over the steps from the position on, min(position, "
-            f"{cfg.steps}) of them (at least 64): dilated their mean (median of {cfg.rounds} rounds), dense the "
-            f"median of {cfg.dense_steps} per round spread over them, the rounds alternating; padded: row b "
-            "left-padded by b/(B-1) of an eighth of the position"
+            f"ms per token (a step's time over its batch) over a span of positions from the position on: a whole "
+            f"cycle of segment phases (lcm(segment_lengths) = {math.lcm(*cfg.segment_lengths):,}"
+            f"{f', at most {MAX_SPAN:,}' if math.lcm(*cfg.segment_lengths) > MAX_SPAN else ''}) once the position "
+            f"reaches it, else as many as the position (at least 64); dilated: the mean of up to {cfg.steps} steps "
+            f"spread evenly over the span (median of {cfg.rounds} rounds), dense: the median of {cfg.dense_steps} "
+            "per round spread over it, the rounds alternating; padded: row b left-padded by b/(B-1) of an eighth "
+            "of the position"
         ),
         "",
     ]

@@ -1,0 +1,216 @@
+"""Where the CPU engine's time goes beside PyTorch's fused kernel, each measured alone.
+
+    python3 benchmarks/cpu_costs.py [--threads 2] [--repeats 9]
+
+Config (the issue's): float32, B=1, H=8, D=64, N=32768, segment_lengths=[2048, 4096,
+8192], dilation_rates=[1, 2, 4]. Every comparison runs its two sides alternately in
+one process, the median of each side's times:
+
+- fresh memory: a ``torch.full`` of the output's size on memory glibc maps afresh,
+  against a ``fill_`` of an existing tensor (the page faults of first touch);
+- the kernel calls of a ``head_groups`` forward as the engine makes them (strided
+  views of the dilated rows, keys and values packed by the kernel wrapper) against
+  the same calls on contiguous copies, and the kernel's own contiguous batch of the
+  first branch (per segment and head of ``2048 x 2048`` rows);
+- a forward of each mode with the key packing (``ops.kernels._packed_keys``) against
+  one without it;
+- a ``head_groups`` forward before and after a ``PeakMemory`` measurement in the same
+  process (its glibc settings last for the rest of a process), in a fresh process.
+
+Writes benchmarks/results/cpu-costs-cpu-float32-<machine>.json and .txt.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+from dilated_attention import dilated_attention
+from dilated_attention.ops import kernels
+from dilated_attention.tools import benchmark
+from dilated_attention.tools.arguments import positive_int, threads
+from dilated_attention.utils.files import write_results
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+N, H, D = 32768, 8, 64
+SEGMENTS, RATES = [2048, 4096, 8192], [1, 2, 4]
+CPU = torch.device("cpu")
+
+
+def alternating(first, second, repeats: int) -> tuple[float, float]:
+    """Median seconds of ``first()`` and of ``second()``, run alternately after one
+    warm-up of each."""
+    first(), second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        times[0].append(benchmark._seconds(first, CPU))
+        times[1].append(benchmark._seconds(second, CPU))
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def inputs():
+    return [torch.randn(1, N, H, D) for _ in range(3)]
+
+
+def forward(mode: str, q, k, v):
+    return lambda: dilated_attention(q, k, v, SEGMENTS, RATES, mode=mode)
+
+
+def fresh_memory(repeats: int) -> dict:
+    existing = torch.empty(1, N, H, D)
+    fresh, reused = alternating(lambda: torch.full((1, N, H, D), 0.0), lambda: existing.fill_(0.0), repeats)
+    return {"mib": existing.numel() * 4 / 2**20, "fresh_ms": 1e3 * fresh, "existing_ms": 1e3 * reused}
+
+
+def kernel_calls(repeats: int) -> dict:
+    """Each kernel call of a head_groups forward, as made and on contiguous copies."""
+    calls = []
+    made = kernels.CpuFlashKernel.forward
+
+    def record(q, k, v, bias, is_causal, scale, dropout=None):
+        calls.append((q, k, v, is_causal, scale))
+        return made(q, k, v, bias, is_causal, scale, dropout)
+
+    q, k, v = inputs()
+    kernels.CpuFlashKernel.forward = staticmethod(record)
+    try:
+        with torch.no_grad():
+            forward("head_groups", q, k, v)()
+    finally:
+        kernels.CpuFlashKernel.forward = staticmethod(made)
+    rows = []
+    with torch.no_grad():
+        for cq, ck, cv, is_causal, scale in calls:
+            packed = [t.contiguous() for t in (cq, ck, cv)]
+            flags = (None, is_causal, scale)
+            as_made, contiguous = alternating(
+                lambda views=(cq, ck, cv), flags=flags: made(*views, *flags),
+                lambda packed=packed, flags=flags: made(*packed, *flags),
+                repeats,
+            )
+            units = cq.shape[0] * cq.shape[1] * cq.shape[2] * ck.shape[2] / 2048**2
+            rows.append(
+                {
+                    "shape": list(cq.shape),
+                    "query_row_stride": cq.stride(2),
+                    "views_ms": 1e3 * as_made,
+                    "contiguous_ms": 1e3 * contiguous,
+                    "units": units,
+                }
+            )
+        cfg = benchmark.BenchConfig(seq_lens=[N])
+        (kq, kk, kv, _), kernel, _, _ = benchmark._workload("kernel", N, cfg)
+        own = statistics.median(benchmark._seconds(lambda: kernel(kq, kk, kv), CPU) for _ in range(repeats))
+    own_units = kq.shape[0] * kq.shape[1] * kq.shape[2] ** 2 / 2048**2
+    return {"calls": rows, "kernel_batch": list(kq.shape), "kernel_ms_per_unit": 1e3 * own / own_units}
+
+
+def packing(repeats: int) -> dict:
+    packed_keys = kernels._packed_keys
+    q, k, v = inputs()
+    found = {}
+    with torch.no_grad():
+        for mode in ("head_groups", "mixture"):
+            call = forward(mode, q, k, v)
+
+            def unpacked(call=call):
+                kernels._packed_keys = lambda q, k, v: (k, v)
+                try:
+                    call()
+                finally:
+                    kernels._packed_keys = packed_keys
+
+            with_packing, without = alternating(call, unpacked, repeats)
+            found[mode] = {"packed_ms": 1e3 * with_packing, "unpacked_ms": 1e3 * without}
+    return found
+
+
+def after_peak_memory(repeats: int) -> dict:
+    """In a fresh process: head_groups forwards before and after one PeakMemory."""
+    code = (
+        "import json, statistics, sys, torch\n"
+        f"sys.path.insert(0, {HERE!r})\n"
+        "import cpu_costs as c\n"
+        f"torch.set_num_threads({torch.get_num_threads()})\n"
+        "q, k, v = c.inputs()\n"
+        "call = c.forward('head_groups', q, k, v)\n"
+        "with torch.no_grad():\n"
+        "    call()\n"
+        f"    before = [c.benchmark._seconds(call, c.CPU) for _ in range({repeats})]\n"
+        "    with c.benchmark.PeakMemory(c.CPU):\n"
+        "        call()\n"
+        f"    after = [c.benchmark._seconds(call, c.CPU) for _ in range({repeats})]\n"
+        "print(json.dumps({'before_ms': 1e3 * statistics.median(before), 'after_ms': 1e3 * statistics.median(after)}))"
+    )
+    return benchmark.json_from([sys.executable, "-c", code], "the PeakMemory measurement")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=threads, default=2, help="torch.set_num_threads (default: 2)")
+    parser.add_argument("--repeats", type=positive_int, default=9, help="runs of each side (default: 9)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    machine = benchmark.machine_info(CPU)
+    lines = [
+        (
+            f"CPU costs beside the fused kernel: {benchmark.machine_words(machine)}, float32, B=1 H={H} D={D}, "
+            f"N={N}, segment_lengths={SEGMENTS} dilation_rates={RATES}; medians of {args.repeats} runs of each "
+            "side, alternating"
+        )
+    ]
+
+    def say(text=""):
+        print(text, flush=True)
+        lines.append(text)
+
+    print(lines[0], flush=True)
+    memory = fresh_memory(args.repeats)
+    say(
+        f"\nfill of the output ({memory['mib']:.0f} MiB): fresh torch.full {memory['fresh_ms']:.1f} ms, "
+        f"fill_ of an existing tensor {memory['existing_ms']:.1f} ms"
+    )
+    calls = kernel_calls(args.repeats)
+    say("\nhead_groups kernel calls: as the engine makes them (strided query views, keys and values packed) and")
+    say("on contiguous copies; ms per (segment, head) of 2048 x 2048 rows in brackets")
+    for row in calls["calls"]:
+        units = row["units"]
+        say(
+            f"  q {tuple(row['shape'])}, query rows {row['query_row_stride']} apart: {row['views_ms']:.1f} ms "
+            f"({row['views_ms'] / units:.2f}), contiguous {row['contiguous_ms']:.1f} ms "
+            f"({row['contiguous_ms'] / units:.2f})"
+        )
+    say(f"  the kernel's own contiguous batch {tuple(calls['kernel_batch'])}: ({calls['kernel_ms_per_unit']:.2f})")
+    packed = packing(args.repeats)
+    say("\nforward with the keys and values packed, and without the packing:")
+    for mode, row in packed.items():
+        say(
+            f"  {mode:12} packed {row['packed_ms']:.0f} ms, unpacked {row['unpacked_ms']:.0f} ms "
+            f"(unpacked / packed {row['unpacked_ms'] / row['packed_ms']:.3f})"
+        )
+    peak = after_peak_memory(args.repeats)
+    say(
+        f"\nhead_groups forward in a fresh process: {peak['before_ms']:.0f} ms, after one PeakMemory "
+        f"{peak['after_ms']:.0f} ms (x{peak['after_ms'] / peak['before_ms']:.3f})"
+    )
+    slug = benchmark.machine_slug(CPU)
+    stem = os.path.join(HERE, "results", f"cpu-costs-cpu-float32-{slug}")
+    payload = {
+        "machine": machine,
+        "command": " ".join(sys.argv),
+        "fresh_memory": memory,
+        "kernel_calls": calls,
+        "packing": packed,
+        "peak_memory": peak,
+    }
+    write_results(stem, json.loads(json.dumps(payload)), "\n".join(lines))
+    print(f"wrote {stem}.json and {stem}.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
