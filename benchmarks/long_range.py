@@ -59,7 +59,12 @@ def main() -> int:
         help="share of training sequences that are task examples (default: 0.5)",
     )
     parser.add_argument("--examples", type=positive_int, default=32, help="examples per distance (default: 32)")
-    parser.add_argument("--only", nargs="+", choices=("dilated", "local", "dense"), help="run only these set-ups")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=("dilated", "local", "dense"),
+        help="run only these set-ups (their files named after them: long-range-TASK-cpu-local.*)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
     args = parser.parse_args()
     torch.set_num_threads(min(torch.get_num_threads(), 2))
@@ -115,7 +120,9 @@ def main() -> int:
     machine = machine_info(torch.device("cpu"))
     text = table(results, args, machine)
     print(text)
-    stem = os.path.join(HERE, "results", f"long-range-{args.task}-cpu")
+    # a run of some set-ups only keeps its own files beside the whole comparison's
+    only = "".join(f"-{name}" for name in ("dilated", "local", "dense") if args.only and name in args.only)
+    stem = os.path.join(HERE, "results", f"long-range-{args.task}-cpu{only}")
     write_results(
         stem,
         {

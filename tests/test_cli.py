@@ -166,6 +166,7 @@ def test_every_option_says_what_it_does_and_its_default(command, capsys, monkeyp
         (["bench", "--max-seconds", "-1"], "argument --max-seconds: must be a number > 0"),
         (["bench", "--threads", "100000"], "argument --threads: must be at most"),
         (["decode-bench", "--threads", "100000"], "argument --threads: must be at most"),
+        (["decode-bench", "--positions", "64", str(10**20)], "argument --positions: must be at most 2**62"),
         (
             ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "-5", "--heads", "2"],
             "argument --length: must be >= 1, got -5",

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ..ops.validation import SEED_LIMIT
+from ..ops.validation import MAX_POSITION, SEED_LIMIT
 
 
 class Parser(argparse.ArgumentParser):
@@ -100,6 +100,15 @@ def number(kind, low: float, inclusive: bool = True, several: bool = False):
 positive_int = number(int, 1)
 positive_ints = number(int, 1, several=True)
 positive_float = number(float, 0, inclusive=False)
+
+
+def position(text: str) -> int:
+    """An argparse type: a position (tokens already seen), from 1 to 2**62 (the most a
+    cache takes: positions are int64), one of several separated by spaces."""
+    value = positive_ints(text)
+    if value > MAX_POSITION:
+        raise argparse.ArgumentTypeError(f"must be at most 2**62 (positions are int64), got {text}")
+    return value
 
 
 def seed(text: str) -> int:

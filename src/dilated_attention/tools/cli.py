@@ -24,6 +24,7 @@ from .arguments import (
     Parser,
     device_type,
     number,
+    position,
     positive_float,
     positive_int,
     positive_ints,
@@ -533,7 +534,7 @@ def _add_decode_bench(sub) -> None:
     )
     bench.add_argument(
         "--positions",
-        type=positive_ints,
+        type=position,
         nargs="+",
         metavar="P",
         default=[1, 1024, 4096, 8192, 65536, 2**20],
