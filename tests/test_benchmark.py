@@ -562,9 +562,10 @@ def test_decode_bench_spreads_its_timed_steps_over_a_whole_cycle(monkeypatch):
 
     monkeypatch.setattr(db, "_step_seconds", timed)
     assert list(db._timed_steps(cache, tokens, cfg, 1024)) == [1.0] * 4
-    # the step before each timed one is taken (untimed) as a step of its own
-    assert timed_at == [1024, 1055, 1056, 1087, 1088, 1119, 1120]
-    assert int(cache.position[0]) == 1121
+    # the last SETTLING_STEPS positions before each timed step are taken (untimed) as steps
+    settle = db.SETTLING_STEPS
+    expected = [1024] + [p for at in (1056, 1088, 1120) for p in range(at - settle, at + 1)]
+    assert timed_at == expected and int(cache.position[0]) == 1121
 
 
 def test_decode_bench_measures_each_batch_and_position_once(tmp_path, capsys):
