@@ -594,3 +594,12 @@ def test_benchmark_scripts_refuse_bad_options_in_one_line(command):
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", command[0])
     done = subprocess.run([sys.executable, script, *command[1:]], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "must be" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_gpu_name_becomes_a_file_name(monkeypatch):
+    """GPU names may hold "/" ("AMD Instinct MI250X / MI250"): the results' file name
+    would point into a folder that does not exist."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "AMD Instinct MI250X / MI250")
+    assert benchmark.machine_slug(torch.device("cuda")) == "AMD-Instinct-MI250X-MI250"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert benchmark.machine_slug(torch.device("cuda")) == "NVIDIA-H200"  # as gpu.sh names its files

@@ -536,8 +536,8 @@ def machine_words(machine: dict) -> str:
 def machine_slug(device: torch.device) -> str:
     """A file-name part for the machine a benchmark runs on: the GPU's name on CUDA
     (``"NVIDIA-H200"``), else the CPU's model (:func:`cpu_slug`)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device).replace(" ", "-")
+    if device.type == "cuda":  # "NVIDIA H200" -> "NVIDIA-H200"; "AMD Instinct MI250X / MI250" has a "/"
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", torch.cuda.get_device_name(device)).strip("-") or "gpu"
     return cpu_slug(_cpu_model())
 
 
@@ -819,7 +819,7 @@ def plot(result: BenchResult, path: str) -> None:
     """Log-log time and peak memory against N, dense vs dilated."""
     plt = pyplot()
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for impl in result.config.implementations:
+    for impl in dict.fromkeys(result.config.implementations):  # a repeated --impl was measured once
         rows = [r for r in result.rows if r.impl == impl and r.fwd_ms is not None]
         if not rows:
             continue
