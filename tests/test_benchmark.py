@@ -146,19 +146,20 @@ def test_bench_measures_the_memory_of_the_timed_rows_after_every_timing(monkeypa
         events.append(("time", impl, seq_len))
         row = benchmark.Row(impl, seq_len)
         row.fwd_ms = None if seq_len == 48 and impl == "dense" else 1.0  # a row skipped for time
+        row.sdpa_backend = "FLASH_ATTENTION" if impl == "dense" else None
         return row
 
     def memories(cfg, rows):
         events.append(("memory", tuple(rows)))
         if memory_fails:
             raise RuntimeError("the memory measurement's process ended with signal 9")
-        return [(len(impl), seq_len) for impl, seq_len in rows]
+        return [(len(impl), seq_len) for impl, seq_len, _ in rows]
 
     monkeypatch.setattr(benchmark, "measure", timing)
     monkeypatch.setattr(benchmark, "measure_memories", memories)
     cfg = benchmark.BenchConfig(seq_lens=[48, 32], implementations=("kernel", "dense"), matmul_size=64)
     result = benchmark.run(cfg, progress=False)
-    timed = [("kernel", 32), ("kernel", 48), ("dense", 32)]
+    timed = [("kernel", 32, None), ("kernel", 48, None), ("dense", 32, "FLASH_ATTENTION")]  # on the timed backend
     times = [("time", "kernel", 32), ("time", "kernel", 48), ("time", "dense", 32), ("time", "dense", 48)]
     assert events == [*times, ("memory", tuple(timed))]
     for row in result.rows:
@@ -529,7 +530,15 @@ def test_dense_rows_name_the_sdpa_backend_they_ran(tmp_path):
     (row,) = json.loads((tmp_path / f"bench-cpu-float32-{MACHINE}.json").read_text())["rows"]
     # on the CPU only the flash backend among the fused ones takes these inputs
     assert row["kernels"] == "SDPA, FLASH_ATTENTION backend forced (the only fused one that runs)"
+    assert row["sdpa_backend"] == "FLASH_ATTENTION"
     assert "dense: SDPA, FLASH_ATTENTION backend forced" in (tmp_path / f"bench-cpu-float32-{MACHINE}.txt").read_text()
+
+
+def test_dense_memory_is_measured_on_the_backend_the_row_timed():
+    cfg = benchmark.BenchConfig(seq_lens=[64], heads=2, head_dim=8, implementations=("dense",), matmul_size=64)
+    assert benchmark.measure_memory("dense", 64, cfg, "FLASH_ATTENTION")[0] >= 0
+    with pytest.raises(RuntimeError, match="kernel"):  # forced: the CPU has no efficient-attention kernel
+        benchmark.measure_memory("dense", 64, cfg, "EFFICIENT_ATTENTION")
 
 
 def test_bench_results_record_their_options_and_drop_an_earlier_plot(tmp_path, capsys):
@@ -549,10 +558,13 @@ def test_decode_bench_spreads_its_timed_steps_over_a_whole_cycle(monkeypatch):
     from dilated_attention.tools import decode_benchmark as db
 
     cfg = db.DecodeConfig(segment_lengths=(8, 32, 128), dilation_rates=(1, 2, 4), heads=2, head_dim=4, steps=4)
-    assert db.span_of(cfg, 1024) == 128 and db.timed_offsets(cfg, 1024) == [0, 32, 64, 96]
-    assert db.span_of(cfg, 100) == 100 and db.timed_offsets(cfg, 100) == [0, 25, 50, 75]
+    # step i moved on by i mod lcm(rates): spread steps 32 apart would share one phase modulo every rate
+    assert db.span_of(cfg, 1024) == 128 and db.timed_offsets(cfg, 1024) == [0, 33, 66, 99]
+    assert db.span_of(cfg, 100) == 100 and db.timed_offsets(cfg, 100) == [0, 26, 52, 78]
     assert db.span_of(cfg, 3) == 64 and db.timed_offsets(dataclasses.replace(cfg, steps=1000), 3) == list(range(64))
+    assert db.timed_offsets(dataclasses.replace(cfg, steps=40), 1024) == [i * 128 // 40 for i in range(40)]  # gaps < 4
     cache, tokens = db._fed_cache(cfg, 1024, [0, 0])
+    assert cache.position.tolist() == [1024 - db.SETTLING_STEPS] * 2  # the first timed step settles too
     timed_at = []
 
     def timed(cache, tokens, i, device):
@@ -564,8 +576,8 @@ def test_decode_bench_spreads_its_timed_steps_over_a_whole_cycle(monkeypatch):
     assert list(db._timed_steps(cache, tokens, cfg, 1024)) == [1.0] * 4
     # the last SETTLING_STEPS positions before each timed step are taken (untimed) as steps
     settle = db.SETTLING_STEPS
-    expected = [1024] + [p for at in (1056, 1088, 1120) for p in range(at - settle, at + 1)]
-    assert timed_at == expected and int(cache.position[0]) == 1121
+    expected = [p for at in (1024, 1057, 1090, 1123) for p in range(at - settle, at + 1)]
+    assert timed_at == expected and int(cache.position[0]) == 1124
 
 
 def test_decode_bench_measures_each_batch_and_position_once(tmp_path, capsys):

@@ -322,6 +322,7 @@ class Row:
     fwd_floor_ms: float | None = None  # the larger of FLOPs / matmul rate and io bytes / copy bandwidth
     fwd_bwd_floor_ms: float | None = None  # the same with 3.5x the FLOPs and 3x the bytes
     kernels: str = ""  # which kernels ran: the library's, or the dense row's SDPA backend
+    sdpa_backend: str | None = None  # the dense row's SDPA backend, by name (its memory is measured on it)
     note: str = ""
 
 
@@ -347,12 +348,13 @@ def work_of(impl: str, seq_len: int, cfg: BenchConfig) -> tuple[tuple[int, int, 
     return shape, shape[0] * shape[1] * (rows * (rows + 1) // 2 if cfg.is_causal else rows * rows)
 
 
-def _workload(impl: str, seq_len: int, cfg: BenchConfig):
+def _workload(impl: str, seq_len: int, cfg: BenchConfig, sdpa_backend: str | None = None):
     """``(inputs, fn, fn_with_grad, pairs)`` of one implementation at one length
     (``fn_with_grad``: the kernel's own forward and backward, else ``None``).
 
-    ``dense``: PyTorch SDPA over the whole sequence (:func:`measure` forces the
-    fastest backend, :func:`fastest_dense`). ``kernel``: the fused kernel the
+    ``dense``: PyTorch SDPA over the whole sequence, on ``sdpa_backend`` (the name of
+    a ``torch.nn.attention.SDPBackend``; ``None``: SDPA's own choice; :func:`measure`
+    forces the fastest, :func:`fastest_dense`). ``kernel``: the fused kernel the
     engine uses, alone, on one contiguous batch shaped like the first branch's work
     (``B * N // w`` segments of ``ceil(w / r)`` rows, all heads, with ``w`` and ``r``
     at most ``N``): the ceiling the
@@ -379,7 +381,7 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
     else:
         fn_with_grad = None
         if impl == "dense":
-            fn = dense_attention(cfg.is_causal)
+            fn = dense_attention(cfg.is_causal, sdpa_backend)
 
         elif impl == "flex":
             fn = flex_mixture(seq_len, cfg.heads, cfg.segment_lengths, cfg.dilation_rates, cfg.is_causal, device)
@@ -407,13 +409,14 @@ def _workload(impl: str, seq_len: int, cfg: BenchConfig):
 FUSED_SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
 
-def dense_attention(is_causal: bool, backend=None) -> Callable:
+def dense_attention(is_causal: bool, backend: str | None = None) -> Callable:
     """``fn(q, k, v)`` on ``(B, N, H, D)`` tensors: PyTorch's SDPA over the whole
-    sequence, on ``backend`` (a ``torch.nn.attention.SDPBackend``) or its own choice."""
-    from torch.nn.attention import sdpa_kernel
+    sequence, on ``backend`` (the name of a ``torch.nn.attention.SDPBackend``) or its
+    own choice."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def fn(q, k, v):
-        with contextlib.nullcontext() if backend is None else sdpa_kernel([backend]):
+        with contextlib.nullcontext() if backend is None else sdpa_kernel([getattr(SDPBackend, backend)]):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal
             )
@@ -422,28 +425,29 @@ def dense_attention(is_causal: bool, backend=None) -> Callable:
     return fn
 
 
-def fastest_dense(inputs, is_causal: bool, backward: bool, device: torch.device):
-    """``(backend, words)``: the SDPA backend that runs a dense call on ``inputs`` (``q,
-    k, v, grad``) fastest, forward and backward with ``backward``: each fused backend
-    that runs here, timed once after a warm-up (the math backend where none runs)."""
-    from torch.nn.attention import SDPBackend
-
-    times = {}
-    for name in FUSED_SDPA_BACKENDS:
-        call = dense_attention(is_causal, getattr(SDPBackend, name))
-        step = _with_backward([t.detach().clone() for t in inputs], call, None) if backward else None
-        try:
-            with torch.no_grad() if step is None else contextlib.nullcontext():
-                run_once = step or functools.partial(call, *inputs[:3])
-                run_once()
-                times[name] = _seconds(run_once, device)
-        except RuntimeError:  # "No available kernel": the backend does not take these inputs here
-            continue
-    if not times:
-        return SDPBackend.MATH, "SDPA, math backend (no fused backend takes these inputs)"
+def fastest_dense(seq_len: int, cfg: BenchConfig) -> tuple[str, str]:
+    """``(backend, words)``: the name of the SDPA backend that runs the dense row at
+    ``seq_len`` fastest (forward, and backward with ``cfg.backward``), of the fused
+    backends that take its inputs here, each run once, then timed once where more than
+    one runs (the math backend where none runs)."""
+    inputs = _workload("dense", seq_len, cfg)[0]
+    steps = {}
+    with torch.no_grad() if not cfg.backward else contextlib.nullcontext():
+        for name in FUSED_SDPA_BACKENDS:
+            call = dense_attention(cfg.is_causal, name)
+            step = _with_backward(inputs, call, None) if cfg.backward else functools.partial(call, *inputs[:3])
+            try:
+                step()
+            except RuntimeError:  # "No available kernel": the backend does not take these inputs here
+                continue
+            steps[name] = step
+        if not steps:
+            return "MATH", "SDPA, MATH backend forced (no fused backend takes these inputs)"
+        if len(steps) == 1:
+            return next(iter(steps)), f"SDPA, {next(iter(steps))} backend forced (the only fused one that runs)"
+        times = {name: _seconds(step, torch.device(cfg.device)) for name, step in steps.items()}
     best = min(times, key=times.__getitem__)
-    others = f"the fastest of {', '.join(sorted(times))}" if len(times) > 1 else "the only fused one that runs"
-    return getattr(SDPBackend, best), f"SDPA, {best} backend forced ({others})"
+    return best, f"SDPA, {best} backend forced (the fastest of {', '.join(sorted(times))})"
 
 
 def flex_mixture(
@@ -567,8 +571,10 @@ def measure(
     if predicted_s is not None and predicted_s > cfg.max_seconds:
         row.note = f"skipped: predicted {predicted_s:.0f} s > --max-seconds {cfg.max_seconds:.0f}"
         return row
+    if impl == "dense":
+        row.sdpa_backend, row.kernels = fastest_dense(seq_len, cfg)
     try:
-        (q, k, v, grad), fn, fn_with_grad, pairs = _workload(impl, seq_len, cfg)
+        (q, k, v, grad), fn, fn_with_grad, pairs = _workload(impl, seq_len, cfg, row.sdpa_backend)
         if impl == "flex":  # compiled here: where the compiler (or its backward) fails, the row says so
             with torch.no_grad():
                 fn(q, k, v)
@@ -586,9 +592,6 @@ def measure(
     row.fwd_bwd_floor_ms = 1e3 * max(3.5 * gflop / rate, 3 * row.io_bytes / 1e9 / bandwidth)
     if impl in ("mixture", "head_groups", "mixture-torch"):
         row.kernels = fused.describe(q, kernel=impl.partition("-")[2] or None)
-    if impl == "dense":
-        backend, row.kernels = fastest_dense((q, k, v, grad), cfg.is_causal, cfg.backward, device)
-        fn = dense_attention(cfg.is_causal, backend)
     with torch.no_grad():
         seconds, per_matmul = time_against_matmul(lambda: fn(q, k, v), device, dtype, cfg.repeats, cfg.matmul_size)
     row.fwd_ms, row.fwd_gflops, row.fwd_ratio = 1e3 * seconds, gflop / seconds, gflop * per_matmul
@@ -626,12 +629,15 @@ def forward_peak_added(call: Callable[[], torch.Tensor], device: torch.device) -
     return peak.added - out.numel() * out.element_size()
 
 
-def measure_memory(impl: str, seq_len: int, cfg: BenchConfig) -> tuple[int, int | None]:
+def measure_memory(
+    impl: str, seq_len: int, cfg: BenchConfig, sdpa_backend: str | None = None
+) -> tuple[int, int | None]:
     """The peak bytes a forward call adds (its output excluded), and a forward and
     backward (``None`` without ``cfg.backward``), each after one call not measured (what
-    a first call sets up once, such as autograd's machinery, is not the call's)."""
+    a first call sets up once, such as autograd's machinery, is not the call's);
+    ``sdpa_backend`` as in :func:`_workload`."""
     device = torch.device(cfg.device)
-    inputs, fn, fn_with_grad, _ = _workload(impl, seq_len, cfg)
+    inputs, fn, fn_with_grad, _ = _workload(impl, seq_len, cfg, sdpa_backend)
     forward = forward_peak_added(lambda: fn(*inputs[:3]), device)
     if not cfg.backward:
         return forward, None
@@ -642,12 +648,12 @@ def measure_memory(impl: str, seq_len: int, cfg: BenchConfig) -> tuple[int, int 
     return forward, peak.added
 
 
-def measure_memories(cfg: BenchConfig, rows: Sequence[tuple[str, int]]) -> list[tuple[int, int | None]]:
-    """:func:`measure_memory` of each ``(impl, seq_len)``: on the CPU in a fresh Python
+def measure_memories(cfg: BenchConfig, rows: Sequence[tuple[str, int, str | None]]) -> list[tuple[int, int | None]]:
+    """:func:`measure_memory` of each ``(impl, seq_len, sdpa_backend)``: on the CPU in a fresh Python
     process (with this one's threads), which :class:`PeakMemory` may change for good and
     whose allocator holds nothing of the timings before; on CUDA in this process."""
     if torch.device(cfg.device).type == "cuda":
-        return [measure_memory(impl, n, cfg) for impl, n in rows]
+        return [measure_memory(*row[:2], cfg, row[2]) for row in rows]
     request = {"config": asdict(cfg), "rows": list(rows), "threads": torch.get_num_threads()}
     package_parent = str(Path(__file__).resolve().parents[2])
     # the package this process runs, where the child would not find it on its own path
@@ -681,7 +687,7 @@ def _memory_process() -> None:
     request = json.loads(sys.stdin.read())
     torch.set_num_threads(request["threads"])
     cfg = BenchConfig(**request["config"])
-    print(json.dumps([measure_memory(impl, n, cfg) for impl, n in request["rows"]]))
+    print(json.dumps([measure_memory(impl, n, cfg, backend) for impl, n, backend in request["rows"]]))
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -707,16 +713,16 @@ def check_config(cfg: BenchConfig) -> None:
         validation.check_head_groups(cfg.heads, len(cfg.segment_lengths))
 
 
-def _predicted_seconds(impl: str, seq_len: int, cfg: BenchConfig, previous: Row | None, result: BenchResult) -> float:
+def _predicted_seconds(impl: str, seq_len: int, cfg: BenchConfig, previous: Row | None, matmul_gflops: float) -> float:
     """What measuring ``impl`` at ``seq_len`` would take: from its ``previous`` timed
     row, grown as its work grows (``N^2`` for dense, ``N`` for the rest); for its first
-    length, from the row's floor at the run's matmul rate (a lower bound)."""
+    length, from the row's floor at ``matmul_gflops`` (a lower bound)."""
     calls = cfg.repeats + 2  # a warm-up and the timed runs, one more selecting a dense backend
     if previous is not None:
         growth = (seq_len / previous.seq_len) ** (2 if impl == "dense" else 1)
         return calls * (previous.fwd_bwd_ms or previous.fwd_ms or 0.0) / 1e3 * growth
     gflop = 4 * cfg.head_dim * work_of(impl, seq_len, cfg)[1] / 1e9
-    return calls * (3.5 if cfg.backward else 1.0) * gflop / result.matmul_gflops
+    return calls * (3.5 if cfg.backward else 1.0) * gflop / matmul_gflops
 
 
 def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
@@ -734,7 +740,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
         for seq_len in lengths:
             if progress:
                 _progress(len(result.rows), total, f"{impl} N={seq_len}")
-            predicted = _predicted_seconds(impl, seq_len, cfg, last.get(impl), result)
+            predicted = _predicted_seconds(impl, seq_len, cfg, last.get(impl), result.matmul_gflops)
             row = measure(impl, seq_len, cfg, predicted, (result.matmul_gflops, result.copy_gbps))
             result.rows.append(row)
             if row.fwd_ms is not None:
@@ -745,7 +751,7 @@ def run(cfg: BenchConfig, progress: bool = True) -> BenchResult:
             _progress(len(result.rows), total, "memory" + (", in another process" if device.type == "cpu" else ""))
         memories: list[tuple[int | None, int | None]]
         try:
-            memories = list(measure_memories(cfg, [(r.impl, r.seq_len) for r in timed]))
+            memories = list(measure_memories(cfg, [(r.impl, r.seq_len, r.sdpa_backend) for r in timed]))
         except RuntimeError as error:  # the timings stand; the memory columns stay empty
             sys.stderr.write(f"no memory figures: {error}\n")
             memories = [(None, None)] * len(timed)

@@ -122,15 +122,23 @@ def padding_of(cfg: DecodeConfig, batch: int, position: int) -> list[int]:
     return [row * (position // 8) // max(batch - 1, 1) for row in range(batch)]
 
 
+def cycle_of(cfg: DecodeConfig) -> int:
+    """``lcm(segment_lengths)``: positions this far apart have one place in every segment."""
+    return math.lcm(*cfg.segment_lengths)
+
+
 def _fed_cache(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> tuple[DilatedKVCache, list[torch.Tensor]]:
-    """A :class:`DilatedKVCache` of ``len(pads)`` sequences at ``position`` (row ``b``
-    left-padded by ``pads[b]``) and the tokens its steps take."""
+    """A :class:`DilatedKVCache` of ``len(pads)`` sequences (row ``b`` left-padded by
+    ``pads[b]``) up to :data:`SETTLING_STEPS` positions before ``position`` (the
+    positions :func:`_timed_steps` takes as steps before its first timed one), and the
+    tokens its steps take."""
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
-    cycle = math.lcm(*cfg.segment_lengths)
+    cycle = cycle_of(cfg)
     # A left-padded batch is fed every position from its padding on (positive starts
     # must be segment boundaries, which a padded row's state is not at); the others
     # from the latest common boundary a cycle before, which gives the same state.
     start = 0 if any(pads) else max(0, (position // cycle - 1) * cycle)
+    settling = min(SETTLING_STEPS, position - start)
     batch = len(pads)
     cache = DilatedKVCache(
         batch,
@@ -145,7 +153,7 @@ def _fed_cache(cfg: DecodeConfig, position: int, pads: Sequence[int]) -> tuple[D
     generator = torch.Generator().manual_seed(position)
     tokens = _tokens(cfg, batch, min(cfg.steps, 64), generator)
     with torch.inference_mode():  # as a generation loop runs
-        _feed(cache, position - start, cfg, generator)
+        _feed(cache, position - start - settling, cfg, generator)
     _synchronize(device)
     return cache, tokens
 
@@ -162,13 +170,14 @@ def _feed(cache: DilatedKVCache, count: int, cfg: DecodeConfig, generator: torch
 
 def _timed_steps(cache: DilatedKVCache, tokens: Sequence[torch.Tensor], cfg: DecodeConfig, position: int):
     """Seconds of each timed step of the span from ``position`` (:func:`timed_offsets`),
-    one by one as a generator. The positions between two timed steps are fed untimed,
-    the last :data:`SETTLING_STEPS` of them as steps: the steps right after a chunk
-    find the cache's buffers to move and the processor's caches holding the chunk's
-    data, which a generation loop's steps do not (measured on a 2-core Xeon at 65,536:
-    64 steps spread over a cycle took 1.25 times the whole cycle's mean with one such
-    step, 1.03 with eight)."""
-    device, done = torch.device(cfg.device), 0
+    one by one as a generator, ``cache`` (its first row unpadded) at most
+    :data:`SETTLING_STEPS` positions before it. The positions between two timed steps
+    are fed untimed, the last :data:`SETTLING_STEPS` of them as steps: the steps right
+    after a chunk or a copy of the cache find its buffers to move and the processor's
+    caches holding other data, which a generation loop's steps do not (measured on a
+    2-core Xeon at 65,536: 64 steps spread over a cycle took 1.25 times the whole
+    cycle's mean with one such step, 1.03 with eight)."""
+    device, done = torch.device(cfg.device), int(cache.position.max()) - position
     generator = torch.Generator().manual_seed(position + 1)
     for i, offset in enumerate(timed_offsets(cfg, position)):
         settling = min(SETTLING_STEPS, offset - done)
@@ -277,15 +286,20 @@ def span_of(cfg: DecodeConfig, position: int) -> int:
     """How many positions from ``position`` on both caches are timed over: a whole
     cycle of segment phases (``lcm(segment_lengths)``, at most :data:`MAX_SPAN`) once
     ``position`` reaches it, else ``position`` (at least 64)."""
-    return max(64, min(math.lcm(*cfg.segment_lengths), MAX_SPAN, position))
+    return max(64, min(cycle_of(cfg), MAX_SPAN, position))
 
 
 def timed_offsets(cfg: DecodeConfig, position: int) -> list[int]:
     """The steps timed, as offsets from ``position``: ``cfg.steps`` of the span spread
-    evenly over it (every step where the span is no longer)."""
+    evenly over it (every step where the span is no longer), step ``i`` moved on by
+    ``i mod lcm(dilation_rates)`` where the gaps allow: a step's cost depends on its
+    position modulo each rate (which heads' rows it is in), and evenly spread steps
+    would all share one such phase where the span over the count is a multiple of them."""
     span = span_of(cfg, position)
     count = min(cfg.steps, span)
-    return [i * span // count for i in range(count)]
+    phases = math.lcm(*cfg.dilation_rates)
+    shift = phases if span // count >= phases else 1
+    return [i * span // count + i % shift for i in range(count)]
 
 
 def _sdpa(q, k, v, mask):
@@ -317,7 +331,7 @@ def graph_step_times(cfg: DecodeConfig, position: int, pads: Sequence[int], impl
     inputs = _tokens(cfg, batch, 3, generator)
     feed = 0  # replays that bring the cache to the position, untimed
     if impl == "dilated-graph":
-        cycle, ring = math.lcm(*cfg.segment_lengths), max(cfg.segment_lengths)
+        cycle, ring = cycle_of(cfg), max(cfg.segment_lengths)
         base = 0 if any(pads) else max(0, (position - ring) // cycle * cycle)
         start = torch.tensor([base - p for p in pads])
         shape = (batch, cfg.heads, cfg.head_dim, cfg.segment_lengths, cfg.dilation_rates)
@@ -436,8 +450,8 @@ def format_table(result: DecodeResult) -> str:
         ),
         (
             f"ms per token (a step's time over its batch) over a span of positions from the position on: a whole "
-            f"cycle of segment phases (lcm(segment_lengths) = {math.lcm(*cfg.segment_lengths):,}"
-            f"{f', at most {MAX_SPAN:,}' if math.lcm(*cfg.segment_lengths) > MAX_SPAN else ''}) once the position "
+            f"cycle of segment phases (lcm(segment_lengths) = {cycle_of(cfg):,}"
+            f"{f', at most {MAX_SPAN:,}' if cycle_of(cfg) > MAX_SPAN else ''}) once the position "
             f"reaches it, else as many as the position (at least 64); dilated: the mean of up to {cfg.steps} steps "
             f"spread evenly over the span (median of {cfg.rounds} rounds), dense: the median of {cfg.dense_steps} "
             "per round spread over it, the rounds alternating; padded: row b left-padded by b/(B-1) of an eighth "
