@@ -50,6 +50,33 @@ def test_low_precision_within_tolerance(cfg, dtype):
     compare_with_reference(cfg, dtype=dtype, tolerance=TOLERANCES[dtype])
 
 
+@given(configs(max_len=40, max_heads=4, grouped_query=True), st.sampled_from([torch.bfloat16, torch.float16]))
+def test_under_autocast_the_inputs_are_cast_to_its_dtype_as_sdpa_casts_them(cfg, dtype):
+    """Models under autocast pass float32 queries and keys (after a float32 rotary step)
+    with lower-precision values: computed as the same call on the cast inputs, its
+    output in autocast's dtype and its gradients in the inputs' own dtypes; float64
+    inputs are not cast."""
+    cfg = dict(cfg, softmax_scale=None if cfg["softmax_scale"] == -1.3 else cfg["softmax_scale"])
+    inputs, attn = split_config(cfg)
+    (q, k, v), (grad, _), mask = random_inputs(dtype=torch.float32, **inputs)
+    v = v.detach().to(dtype).requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        out = dilated_attention(q, k, v, key_padding_mask=mask, **attn)
+    cast = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    expected = dilated_attention(*cast, key_padding_mask=mask, **attn)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    grads = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
+    expected_grads = torch.autograd.grad(expected, cast, grad.to(dtype))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32, dtype]
+    assert all(torch.equal(g.to(dtype), e) for g, e in zip(grads, expected_grads, strict=True))
+    ref_out, _ = reference_dilated_attention(*(t.detach().double() for t in cast), key_padding_mask=mask, **attn)
+    assert max_relative_error(out, ref_out) <= TOLERANCES[dtype]
+    doubles = [t.detach().double() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=dtype):
+        kept = dilated_attention(*doubles, key_padding_mask=mask, **attn)
+    assert kept.dtype == torch.float64 and torch.equal(kept, dilated_attention(*doubles, key_padding_mask=mask, **attn))
+
+
 @given(configs(grouped_query=True), st.integers(1, 300))
 def test_blocks_cut_into_many_calls_match_reference(cfg, elements):
     with call_budget(elements):

@@ -122,6 +122,35 @@ def test_one_whole_segment_gives_the_sdpa_logits(family):
     assert float((a - b).abs().max() / a.abs().max()) <= 1e-10
 
 
+def test_under_autocast_the_model_runs_trains_and_decodes_as_with_sdpa():
+    """Under autocast a Llama's rotary step gives float32 queries and keys and its
+    projections bfloat16 values, which SDPA casts to bfloat16: the registration does the
+    same (it refused the mixed dtypes), with its bounded cache too."""
+    model = tiny("llama").float()
+    tokens = torch.randint(0, 61, (2, 37), generator=torch.Generator().manual_seed(5))
+    logits = {}
+    for name in ("sdpa", "dilated_one_segment", "dilated"):
+        model.set_attn_implementation(name)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits[name] = model(tokens).logits
+    # one whole segment is dense causal attention: SDPA's logits up to bfloat16 rounding
+    assert logits["dilated_one_segment"].dtype == torch.bfloat16
+    assert float((logits["dilated_one_segment"] - logits["sdpa"]).abs().max() / logits["sdpa"].abs().max()) < 0.05
+    with torch.no_grad():
+        full = model(tokens).logits  # float32, no autocast
+    assert float((logits["dilated"] - full).abs().max() / full.abs().max()) < 0.05
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # a prefill then a step, bounded cache
+        cache = DilatedCache(model)
+        model(tokens[:, :-1], past_key_values=cache)
+        step = model(tokens[:, -1:], past_key_values=cache).logits
+    assert float((step[:, -1] - logits["dilated"][:, -1]).abs().max() / full.abs().max()) < 0.05
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tokens, labels=tokens).loss
+    loss.backward()
+    assert all(p.grad is not None and bool(p.grad.isfinite().all()) for p in model.parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_dilated_layers_and_gradients_match_the_reference(family):
     model = tiny(family)

@@ -99,6 +99,9 @@ def dilated_attention(
         differentiable, exactly, including through the mixing weights of
         ``mixture``; double backward is refused.
 
+    Under ``torch.autocast``, float32, float16 and bfloat16 ``q, k, v`` are cast to
+    its dtype on their device first, as SDPA's are (float64 is not cast).
+
     NaN in a query, or in a key a query attends to, gives NaN in that query's
     output and LSE. Under a ``torch.func`` transform (``vmap``, ``grad``, ...) it
     raises ``RuntimeError`` before any work; ``torch.compile`` works (a call with a
@@ -106,6 +109,7 @@ def dilated_attention(
     """
 
     validation.refuse_torch_func()
+    q, k, v = validation.autocast_inputs(q, k, v)  # as SDPA: computed in autocast's dtype under it
 
     def validate():
         call = validation.check_attention(

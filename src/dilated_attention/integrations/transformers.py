@@ -303,6 +303,12 @@ def dilated_attention_forward(
         layout="bhnd",
     )
     keys_finite = getattr(key, "dilated_finite", False)  # set by DilatedCache
+    # Under autocast, models pass keys and values of different dtypes (float32 rotary
+    # keys, lower-precision values) that SDPA casts: so does dilated attention (a cast
+    # may overflow to infinity: the keys are then scanned again).
+    cast = validation.autocast_inputs(query, key, value)
+    keys_finite = keys_finite and cast[1] is key and cast[2] is value
+    query, key, value = cast
     out = _attend_rows(query, key, value, mask, first, segment_lengths, options, s_aux, keys_finite)
     return out.transpose(1, 2), None
 

@@ -200,6 +200,26 @@ def check_flag(value, name: str) -> bool:
     raise TypeError(f"{name} must be a bool, got {value!r} ({type_name(value)})")
 
 
+def autocast_inputs(*tensors):
+    """``tensors`` as SDPA takes them under ``torch.autocast`` on their device: float32,
+    float16 and bfloat16 tensors cast to the autocast dtype (float64 and anything else
+    as they are); unchanged outside autocast."""
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor):
+        return tensors
+    device = first.device.type
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_CAST and t.dtype != dtype else t
+        for t in tensors
+    )
+
+
+_AUTOCAST_CAST = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def check_qkv(q, k, v, layout: str = "bnhd") -> None:
     """``q, k, v``: 4-D tensors in ``layout`` of one dtype and device; ``k`` and ``v``
     of one shape, ``q`` of theirs but for its length (checked by the caller) and its
