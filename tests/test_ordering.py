@@ -229,6 +229,35 @@ def test_grid_attention_with_one_whole_segment_does_not_depend_on_the_order():
         GridAttention(mha, "spiral")
 
 
+def test_grid_attention_exports_and_an_export_leaves_the_orders_real():
+    """``torch.export`` traces the orders' construction with placeholder tensors: kept,
+    they would be every later call's orders (eager calls then failed). Exported on a
+    grid whose orders are not yet made, the program gives eager's output, and so does
+    a new module called eagerly after it."""
+    from dilated_attention import GridAttention
+    from dilated_attention.nn import ordering
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = GridAttention(_mha(), "hilbert", extra_tokens=1)
+
+        def forward(self, x):
+            return self.attention(x, (7, 5))[0]
+
+    gen = torch.Generator().manual_seed(4)
+    x, other = (torch.randn(2, 1 + 7 * 5, 12, generator=gen, dtype=torch.float64) for _ in range(2))
+    block = Block().eval()
+    ordering._made_permutations.cache_clear()
+    exported = torch.export.export(block, (x,))
+    assert type(grid_order("hilbert", 7, 5)) is torch.Tensor
+    expected = block(other)
+    assert torch.allclose(exported.module()(other), expected, rtol=1e-12, atol=1e-12)
+    fresh = Block().eval()
+    fresh.load_state_dict(block.state_dict())
+    assert torch.equal(fresh(other), expected)
+
+
 def test_grid_attention_lays_rotary_positions_out_with_the_tokens():
     """With one whole segment, rotary attention at positions given per token does not
     depend on the order the tokens run in, if each token keeps its position: ``(N,)`` and

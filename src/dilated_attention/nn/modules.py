@@ -11,7 +11,7 @@ from torch import nn
 from ..functional import dilated_attention
 from ..ops import validation
 from .cache import DilatedKVCache, check_batch
-from .ordering import ORDERS, apply, grid_order, invert
+from .ordering import ORDERS, grid_permutations, permute
 from .rotary import check_positions
 from .static_cache import StaticKVCache
 
@@ -435,14 +435,14 @@ class GridAttention(nn.Module):
             return self.attention(x, key_padding_mask=key_padding_mask, process_group=process_group, **kwargs)
         if not isinstance(grid, (tuple, list)) or len(grid) != 2:
             raise ValueError(f"grid must be (height, width) in patches, got {grid!r}")
-        order = grid_order(self.order, *grid)
+        order, inverse = grid_permutations(self.order, *grid)
         dim = 1 if getattr(self.attention, "batch_first", True) else 0
-        x = apply(x, order, self.extra_tokens, dim)
+        x = permute(x, order, self.extra_tokens, dim)
         mask = None
         if key_padding_mask is not None:  # (B, N) in either layout
-            mask = apply(key_padding_mask, order, self.extra_tokens, name="key_padding_mask")
+            mask = permute(key_padding_mask, order, self.extra_tokens, name="key_padding_mask")
         positions = kwargs.get("positions")
         if isinstance(positions, torch.Tensor) and positions.dim() in (1, 2):  # the attention checks the rest
-            kwargs["positions"] = apply(positions, order, self.extra_tokens, positions.dim() - 1, name="positions")
+            kwargs["positions"] = permute(positions, order, self.extra_tokens, positions.dim() - 1, name="positions")
         out, *rest = self.attention(x, key_padding_mask=mask, **kwargs)
-        return (invert(out, order, self.extra_tokens, dim), *rest)
+        return (permute(out, inverse, self.extra_tokens, dim), *rest)

@@ -48,10 +48,20 @@ def grid_order(kind: str, height: int, width: int) -> torch.Tensor:
     """The permutation ``(height * width,)`` int64 (CPU) of order ``kind`` (one of
     :data:`ORDERS`) for a ``height x width`` grid of at most :data:`MAX_PATCHES`
     (``2**26``) patches. Cached: do not modify it."""
+    return grid_permutations(kind, height, width)[0]
+
+
+def grid_permutations(kind: str, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, inverse)``: :func:`grid_order` and its inverse (:func:`positions`),
+    made once per grid and kept only as real tensors: placeholders of a tracer (which
+    ``torch.export`` runs this under) are not kept for later calls."""
     if kind not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {kind!r}")
     height, width = _check_grid(height, width)
-    return _cached_order(kind, height, width)
+    made = _made_permutations(kind, height, width)
+    if type(made[0]) is not torch.Tensor:  # a tracer's placeholder
+        _made_permutations.cache_clear()
+    return made
 
 
 def _check_grid(height: int, width: int) -> tuple[int, int]:
@@ -66,8 +76,11 @@ def _check_grid(height: int, width: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_order(kind: str, height: int, width: int) -> torch.Tensor:
-    return {"row_major": _row_major, "zorder": _zorder, "hilbert": _hilbert}[kind](height, width)
+def _made_permutations(kind: str, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = {"row_major": _row_major, "zorder": _zorder, "hilbert": _hilbert}[kind](height, width)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return order, inverse
 
 
 def _index(order: torch.Tensor, extra_tokens: int, device) -> torch.Tensor:
@@ -93,15 +106,28 @@ def _describe(value) -> str:
 def _check_sequence(x, order: torch.Tensor, extra_tokens: int, dim: int, name: str = "x") -> torch.Tensor:
     """Check ``x`` (called ``name`` in messages) and ``order`` (see :func:`apply`);
     return ``order``'s inverse."""
+    inverse = _check_order(order)
+    _check_length(x, order.numel(), extra_tokens, dim, name)
+    return inverse
+
+
+def _check_length(x, patches: int, extra_tokens: int, dim: int, name: str) -> None:
+    """``x`` (called ``name``): a tensor of ``extra_tokens + patches`` tokens along ``dim``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(x)}")
-    inverse = _check_order(order)
-    if x.dim() <= dim or x.shape[dim] != extra_tokens + order.numel():
+    if x.dim() <= dim or x.shape[dim] != extra_tokens + patches:
         raise ValueError(
-            f"{name} must have extra_tokens + height * width = {extra_tokens} + {order.numel()} tokens along dim "
+            f"{name} must have extra_tokens + height * width = {extra_tokens} + {patches} tokens along dim "
             f"{dim}, got shape {tuple(x.shape)}"
         )
-    return inverse
+
+
+def permute(x: torch.Tensor, order: torch.Tensor, extra_tokens: int = 0, dim: int = 1, *, name: str = "x"):
+    """:func:`apply` for an ``order`` known to be a permutation (:func:`grid_permutations`
+    makes them): only ``x``'s length is checked. :func:`invert` is ``permute`` by the
+    inverse permutation."""
+    _check_length(x, order.numel(), extra_tokens, dim, name)
+    return x.index_select(dim, _index(order, extra_tokens, x.device))
 
 
 def apply(
@@ -110,14 +136,13 @@ def apply(
     """``x`` ``(B, extra_tokens + H*W, ...)`` with its patches in row-major order ->
     the same tokens in ``order`` (the extra tokens stay first): a copy. ``name``: what
     messages call ``x``."""
-    _check_sequence(x, order, extra_tokens, dim, name)
-    return x.index_select(dim, _index(order, extra_tokens, x.device))
+    _check_order(order)
+    return permute(x, order, extra_tokens, dim, name=name)
 
 
 def invert(y: torch.Tensor, order: torch.Tensor, extra_tokens: int = 0, dim: int = 1) -> torch.Tensor:
     """The inverse of :func:`apply`: ``y`` in ``order`` -> row-major order."""
-    inverse = _check_sequence(y, order, extra_tokens, dim)
-    return y.index_select(dim, _index(inverse, extra_tokens, y.device))
+    return permute(y, _check_order(order), extra_tokens, dim, name="y")
 
 
 def positions(order: torch.Tensor) -> torch.Tensor:
