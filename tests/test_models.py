@@ -1,6 +1,7 @@
 """LongNetLM: whole sequences, chunks through the cache, sampling, configuration."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -291,3 +292,24 @@ def test_generation_under_autocast_uses_a_cache_of_the_autocast_dtype():
         cache = model.new_cache(1)
         out = model.generate(torch.tensor([1, 2, 3], dtype=torch.uint8), 4, temperature=0, cache=cache)
     assert cache.layers[0].dtype == torch.bfloat16 and out.shape == (7,)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (dict(rotary_base=500.0), "base=10000.0 into one with base=500.0"),
+        (dict(positions="none"), "Unexpected key(s) in state_dict"),
+    ],
+)
+def test_a_checkpoint_of_other_positions_is_refused(change, fragment):
+    """Same parameters, different rotary positions: the outputs would differ silently."""
+    source = LongNetLM(small_config())
+    target = LongNetLM(small_config(**change))
+    with pytest.raises((ValueError, RuntimeError), match=re.escape(fragment)):
+        target.load_state_dict(source.state_dict())
+    with pytest.raises((ValueError, RuntimeError), match=r"Missing key\(s\)|base=500.0 into one with base=10000.0"):
+        source.load_state_dict(target.state_dict())
+    same = LongNetLM(small_config())
+    same.load_state_dict(source.state_dict())
+    tokens = torch.randint(0, 37, (2, 9))
+    assert torch.equal(same(tokens), source(tokens))

@@ -16,17 +16,6 @@ from .rotary import check_positions
 from .static_cache import StaticKVCache
 
 
-def _refuse_mismatch(module: nn.Module, saved: dict, mine: dict) -> None:
-    """Raise ``ValueError`` if a checkpoint's configuration differs from the module's."""
-    for name, value in mine.items():
-        if name not in saved or saved[name] != value:
-            raise ValueError(
-                f"cannot load a state_dict saved from a {type(module).__name__} with {name}="
-                f"{saved.get(name, 'missing')!r} into one with {name}={value!r}: build the module "
-                "with the checkpoint's configuration"
-            )
-
-
 def sequence_positions(length: int, device, cache=None, process_group=None) -> torch.Tensor:
     """Where ``length`` rows sit in their sequences: ``(length,)`` int64 ``0 ..``, this
     rank's shard positions with ``process_group``, or ``(B, length)`` after each
@@ -114,7 +103,7 @@ class DilatedAttention(nn.Module):
 
     def set_extra_state(self, state) -> None:
         saved = {"head_offsets": "interleaved", **dict(state)}  # saved before head_offsets existed
-        _refuse_mismatch(self, saved, self.get_extra_state())
+        validation.check_saved_config(self, saved, self.get_extra_state())
 
     def extra_repr(self) -> str:
         return (
@@ -217,7 +206,7 @@ class MultiheadDilatedAttention(nn.Module):
         return {"num_heads": self.num_heads}
 
     def set_extra_state(self, state) -> None:
-        _refuse_mismatch(self, dict(state), self.get_extra_state())
+        validation.check_saved_config(self, dict(state), self.get_extra_state())
 
     def new_cache(self, batch: int, *, start=0, dtype=None, device=None, static: bool = False, max_chunk: int = 1):
         """An empty :class:`dilated_attention.DilatedKVCache` for ``batch`` sequences that

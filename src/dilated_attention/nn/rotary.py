@@ -46,6 +46,12 @@ class RotaryEmbedding(nn.Module):
         first, second = x[..., :half], x[..., half:]
         return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
+    def get_extra_state(self) -> dict:
+        return {"head_dim": self.head_dim, "base": self.base}
+
+    def set_extra_state(self, state) -> None:
+        validation.check_saved_config(self, dict(state), self.get_extra_state())
+
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"
 

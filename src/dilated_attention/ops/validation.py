@@ -220,6 +220,18 @@ def autocast_inputs(*tensors):
 _AUTOCAST_CAST = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def check_saved_config(module, saved: dict, mine: dict) -> None:
+    """A ``ValueError`` if a checkpoint's configuration (``saved``, a module's extra
+    state) differs from the ``module``'s own (``mine``)."""
+    for name, value in mine.items():
+        if name not in saved or saved[name] != value:
+            raise ValueError(
+                f"cannot load a state_dict saved from a {type(module).__name__} with {name}="
+                f"{saved.get(name, 'missing')!r} into one with {name}={value!r}: build the module "
+                "with the checkpoint's configuration"
+            )
+
+
 def check_qkv(q, k, v, layout: str = "bnhd") -> None:
     """``q, k, v``: 4-D tensors in ``layout`` of one dtype and device; ``k`` and ``v``
     of one shape, ``q`` of theirs but for its length (checked by the caller) and its
