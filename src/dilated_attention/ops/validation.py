@@ -200,6 +200,10 @@ def check_flag(value, name: str) -> bool:
     raise TypeError(f"{name} must be a bool, got {value!r} ({type_name(value)})")
 
 
+# The dtypes autocast casts (float64 it leaves alone).
+_AUTOCAST_CAST = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def autocast_inputs(*tensors):
     """``tensors`` as SDPA takes them under ``torch.autocast`` on their device: float32,
     float16 and bfloat16 tensors cast to the autocast dtype (float64 and anything else
@@ -215,9 +219,6 @@ def autocast_inputs(*tensors):
         t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_CAST and t.dtype != dtype else t
         for t in tensors
     )
-
-
-_AUTOCAST_CAST = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_saved_config(module, saved: dict, mine: dict) -> None:
