@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -558,11 +559,18 @@ def test_decode_bench_spreads_its_timed_steps_over_a_whole_cycle(monkeypatch):
     from dilated_attention.tools import decode_benchmark as db
 
     cfg = db.DecodeConfig(segment_lengths=(8, 32, 128), dilation_rates=(1, 2, 4), heads=2, head_dim=4, steps=4)
-    # step i moved on by i mod lcm(rates): spread steps 32 apart would share one phase modulo every rate
+    # step i moved on to phase i mod lcm(rates): spread steps 32 apart would share one phase modulo every rate
     assert db.span_of(cfg, 1024) == 128 and db.timed_offsets(cfg, 1024) == [0, 33, 66, 99]
-    assert db.span_of(cfg, 100) == 100 and db.timed_offsets(cfg, 100) == [0, 26, 52, 78]
+    assert db.span_of(cfg, 100) == 100 and db.timed_offsets(cfg, 100) == [0, 25, 50, 75]  # phases 0, 1, 2, 3
     assert db.span_of(cfg, 3) == 64 and db.timed_offsets(dataclasses.replace(cfg, steps=1000), 3) == list(range(64))
-    assert db.timed_offsets(dataclasses.replace(cfg, steps=40), 1024) == [i * 128 // 40 for i in range(40)]  # gaps < 4
+    for rates, steps, position in (((3, 4), 7, 30000), ((1, 2, 4), 40, 1024), ((5,), 16, 77), ((2, 3), 64, 1)):
+        spread = dataclasses.replace(cfg, dilation_rates=rates, steps=steps)
+        offsets, span, phases = db.timed_offsets(spread, position), db.span_of(spread, position), math.lcm(*rates)
+        assert offsets == sorted(set(offsets)) and len(offsets) == min(steps, span) and offsets[-1] < span
+        places = [i * span // len(offsets) for i in range(len(offsets))] + [span]
+        for i, offset in enumerate(offsets):  # each on its phase where its gap holds one, else on its place
+            has_phase = any((position + p) % phases == i % phases for p in range(places[i], places[i + 1]))
+            assert (position + offset) % phases == i % phases if has_phase else offset == places[i]
     cache, tokens = db._fed_cache(cfg, 1024, [0, 0])
     assert cache.position.tolist() == [1024 - db.SETTLING_STEPS] * 2  # the first timed step settles too
     timed_at = []

@@ -291,15 +291,20 @@ def span_of(cfg: DecodeConfig, position: int) -> int:
 
 def timed_offsets(cfg: DecodeConfig, position: int) -> list[int]:
     """The steps timed, as offsets from ``position``: ``cfg.steps`` of the span spread
-    evenly over it (every step where the span is no longer), step ``i`` moved on by
-    ``i mod lcm(dilation_rates)`` where the gaps allow: a step's cost depends on its
-    position modulo each rate (which heads' rows it is in), and evenly spread steps
-    would all share one such phase where the span over the count is a multiple of them."""
+    evenly over it (every step where the span is no longer), step ``i`` moved on to the
+    first position of phase ``i mod lcm(dilation_rates)`` before the next one's place
+    where there is one: a step's cost depends on its position modulo each rate (which
+    heads' rows it is in), and evenly spread steps would all share one such phase where
+    their spacing is a multiple of the rates."""
     span = span_of(cfg, position)
     count = min(cfg.steps, span)
     phases = math.lcm(*cfg.dilation_rates)
-    shift = phases if span // count >= phases else 1
-    return [i * span // count + i % shift for i in range(count)]
+    places = [i * span // count for i in range(count)] + [span]
+    offsets = []
+    for i in range(count):
+        moved = places[i] + (i - position - places[i]) % phases
+        offsets.append(moved if moved < places[i + 1] else places[i])
+    return offsets
 
 
 def _sdpa(q, k, v, mask):
