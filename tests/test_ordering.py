@@ -256,6 +256,9 @@ def test_grid_attention_exports_and_an_export_leaves_the_orders_real():
     fresh = Block().eval()
     fresh.load_state_dict(block.state_dict())
     assert torch.equal(fresh(other), expected)
+    with torch.device("meta"):  # orders made under a default device are not kept either
+        assert grid_order("zorder", 3, 3).is_meta
+    assert torch.equal(grid_order("zorder", 3, 3), torch.tensor([0, 1, 3, 4, 2, 5, 6, 7, 8]))
 
 
 def test_grid_attention_lays_rotary_positions_out_with_the_tokens():

@@ -12,7 +12,7 @@ from ..functional import dilated_attention
 from ..ops import validation
 from .cache import DilatedKVCache, check_batch
 from .ordering import ORDERS, grid_permutations, permute
-from .rotary import check_positions
+from .rotary import RotaryEmbedding, check_positions
 from .static_cache import StaticKVCache
 
 
@@ -207,6 +207,17 @@ class MultiheadDilatedAttention(nn.Module):
 
     def set_extra_state(self, state) -> None:
         validation.check_saved_config(self, dict(state), self.get_extra_state())
+
+    # 2: a RotaryEmbedding keeps its head dim and base in the state (from 0.1.0's
+    # development on); states of version 1 load as if saved with this module's.
+    _version = 2
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        rotary_state = prefix + "rotary._extra_state"
+        old = local_metadata.get("version", 1) < 2
+        if old and isinstance(self.rotary, RotaryEmbedding) and rotary_state not in state_dict:
+            state_dict[rotary_state] = self.rotary.get_extra_state()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def new_cache(self, batch: int, *, start=0, dtype=None, device=None, static: bool = False, max_chunk: int = 1):
         """An empty :class:`dilated_attention.DilatedKVCache` for ``batch`` sequences that
