@@ -75,6 +75,8 @@ def test_under_autocast_the_inputs_are_cast_to_its_dtype_as_sdpa_casts_them(cfg,
     with torch.autocast("cpu", dtype=dtype):
         kept = dilated_attention(*doubles, key_padding_mask=mask, **attn)
     assert kept.dtype == torch.float64 and torch.equal(kept, dilated_attention(*doubles, key_padding_mask=mask, **attn))
+    with torch.autocast("cpu", dtype=dtype), pytest.raises(ValueError, match="the float64 ones stay float64"):
+        dilated_attention(doubles[0], k, v, key_padding_mask=mask, **attn)
 
 
 @given(configs(grouped_query=True), st.integers(1, 300))

@@ -215,6 +215,12 @@ def autocast_inputs(*tensors):
     if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
+    floats = [t.dtype for t in tensors if isinstance(t, torch.Tensor)]
+    if torch.float64 in floats and any(d in _AUTOCAST_CAST for d in floats):
+        raise ValueError(
+            f"q, k and v are {', '.join(str(d) for d in floats)}: under torch.autocast the float64 ones stay "
+            f"float64 and the others become {dtype}; cast them to one dtype"
+        )
     return tuple(
         t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_CAST and t.dtype != dtype else t
         for t in tensors
