@@ -444,7 +444,8 @@ def fastest_dense(seq_len: int, cfg: BenchConfig) -> tuple[str, str]:
         if not steps:
             return "MATH", "SDPA, MATH backend forced (no fused backend takes these inputs)"
         if len(steps) == 1:
-            return next(iter(steps)), f"SDPA, {next(iter(steps))} backend forced (the only fused one that runs)"
+            (only,) = steps
+            return only, f"SDPA, {only} backend forced (the only fused one that runs)"
         times = {name: _seconds(step, torch.device(cfg.device)) for name, step in steps.items()}
     best = min(times, key=times.__getitem__)
     return best, f"SDPA, {best} backend forced (the fastest of {', '.join(sorted(times))})"
@@ -653,7 +654,7 @@ def measure_memories(cfg: BenchConfig, rows: Sequence[tuple[str, int, str | None
     process (with this one's threads), which :class:`PeakMemory` may change for good and
     whose allocator holds nothing of the timings before; on CUDA in this process."""
     if torch.device(cfg.device).type == "cuda":
-        return [measure_memory(*row[:2], cfg, row[2]) for row in rows]
+        return [measure_memory(impl, n, cfg, backend) for impl, n, backend in rows]
     request = {"config": asdict(cfg), "rows": list(rows), "threads": torch.get_num_threads()}
     package_parent = str(Path(__file__).resolve().parents[2])
     # the package this process runs, where the child would not find it on its own path
