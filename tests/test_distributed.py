@@ -192,6 +192,12 @@ def shared_errors(rank, group):
         report[f"module rotary={rotary is not None}"] = _error_of(
             lambda module=module, mask=mask: module(torch.randn(1, 5, 8), key_padding_mask=mask, process_group=group)
         )
+    # a rotary layer given positions on one rank only: that rank skips the shard's collective
+    module = MultiheadDilatedAttention(8, 2, [8], [1], rotary=RotaryEmbedding(4))
+    positions = torch.arange(4, 8) if rank == 1 else None
+    report["positions on one rank"] = _error_of(
+        lambda: module(torch.randn(1, 4, 8), is_causal=True, positions=positions, process_group=group)
+    )
     model = LongNetLM(LongNetConfig(vocab_size=11, dim=8, depth=1, heads=2, segment_lengths=(4,), dilation_rates=(1,)))
     tokens = torch.randint(0, 11, (1, 4)) + (20 if rank == 1 else 0)
     report["model"] = _error_of(lambda: model(tokens, process_group=group))
@@ -431,6 +437,7 @@ def test_a_layers_own_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
         "graph": "ValueError: process_group ranks disagree on whether the call records a graph for backward",
         "module rotary=False": "ValueError: key_padding_mask must have shape (batch, seq_len) = (1, 5), got (1, 4)",
         "module rotary=True": "ValueError: key_padding_mask must have shape (batch, seq_len) = (1, 5), got (1, 4)",
+        "positions on one rank": "ValueError: process_group ranks made different calls (per rank: [\"the shard's",
         "model": "ValueError: token ids must lie in [0, vocab_size=11)",
         "dropout": "ValueError: key_padding_mask must be a bool tensor",
         "type": "TypeError: process_group must be a torch.distributed process group",

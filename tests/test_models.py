@@ -241,9 +241,10 @@ def test_unknown_config_fields_and_presets_are_named():
     ("tokens", "fragment"),
     [
         (torch.tensor([[1, 40]]), r"token ids must lie in \[0, vocab_size=37\)"),
-        (torch.rand(1, 3), "int64 \\(or int32\\) token ids of shape"),
+        (torch.rand(1, 3), "int64 \\(or int32\\) token ids, got torch.float32: convert ids with .long"),
         (torch.tensor([[1, 2]], dtype=torch.uint8), "convert ids with .long"),
-        (torch.tensor([1, 2]), "token ids of shape \\(batch, seq_len >= 1\\)"),
+        (torch.tensor([1, 2]), "tokens must have shape \\(batch, seq_len >= 1\\), got \\(2,\\)"),
+        (torch.zeros(1, 0, dtype=torch.int64), "got \\(1, 0\\) \\(with process_group: this rank's shard"),
     ],
 )
 def test_bad_tokens_are_refused(tokens, fragment):

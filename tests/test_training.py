@@ -634,6 +634,39 @@ def test_a_longer_run_is_remembered_so_a_plain_resume_works_later(tmp_path, text
     assert "step 4/4 (done)" in capsys.readouterr().out
 
 
+def test_a_sequence_parallel_run_resumed_by_one_process_says_the_run_asks_for_processes(tmp_path, text_file):
+    from dilated_attention.training import run_folder
+
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=2), CONFIG, progress=False)
+    config, saved = run_folder.read_run_config(run)
+    run_folder.write_run_config(run, config, dataclasses.replace(saved, sequence_parallel=True))  # as torchrun saves it
+    expected = f"{run} was trained with --sequence-parallel, which its resumed runs keep .* needs several processes"
+    with pytest.raises(ValueError, match=expected):
+        train(run, resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"^--sequence-parallel needs several processes: launch with torchrun"):
+        train(str(tmp_path / "new"), settings(text_file, sequence_parallel=True), CONFIG, progress=False)
+
+
+def test_ranks_a_checkpoint_lacks_draw_numbers_of_their_own_on_resume():
+    """A resume on more processes: saved ranks get their states back, new ranks are
+    seeded apart (no two ranks share dropout masks)."""
+    from dilated_attention.training import trainer
+    from dilated_attention.training.parallel import Parallel
+
+    states = []
+    for seed in (11, 12):
+        torch.manual_seed(seed)
+        states.append(trainer._rng_state(torch.device("cpu")))
+    draws = []
+    for rank in range(4):
+        trainer._restore_rng(states, Parallel(rank=rank, world=4, mode="data"), fresh_seed=100 + rank)
+        if rank < 2:
+            assert torch.equal(torch.get_rng_state(), states[rank]["torch"])
+        draws.append(torch.rand(8))
+    assert all(not torch.equal(draws[i], draws[j]) for i in range(4) for j in range(i))
+
+
 def test_a_resume_that_moves_the_learning_rate_says_so(tmp_path, text_file, capsys):
     """The cosine schedule spans the steps: a finished 3-step run resumed to 8 steps
     goes from the end of its decay back up the longer one's (a jump the user is told

@@ -214,10 +214,12 @@ class LongNetLM(nn.Module):
     def _check_tokens(self, tokens) -> None:
         if not isinstance(tokens, torch.Tensor):
             raise TypeError(f"tokens must be a torch.Tensor of token ids, got {validation.type_name(tokens)}")
-        if tokens.dim() != 2 or tokens.shape[1] < 1 or tokens.dtype not in (torch.int64, torch.int32):
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be int64 (or int32) token ids, got {tokens.dtype}: convert ids with .long()")
+        if tokens.dim() != 2 or tokens.shape[1] < 1:
             raise ValueError(
-                f"tokens must be int64 (or int32) token ids of shape (batch, seq_len >= 1), got {tokens.dtype} of "
-                f"shape {tuple(tokens.shape)}: convert ids with .long()"
+                f"tokens must have shape (batch, seq_len >= 1), got {tuple(tokens.shape)} (with process_group: "
+                "this rank's shard, which must hold at least one position)"
             )
         if torch.compiler.is_compiling():  # values are not read while tracing
             return

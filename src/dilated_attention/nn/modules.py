@@ -319,8 +319,9 @@ class MultiheadDilatedAttention(nn.Module):
         With ``process_group`` the inputs are this rank's shard of the sequence; the
         projections and the LayerNorm act per token, so the output is this rank's
         shard of the single-process output. Parameter gradients are this shard's
-        part: sum them over ranks (as DistributedDataParallel does) for the
-        single-process gradients.
+        part: sum them over ranks (``torch.distributed.all_reduce``) for the
+        single-process gradients (``DistributedDataParallel`` averages them: scale
+        the loss by the world size under it).
 
         ``positions``: the absolute positions of the rows, ``(N,)`` or ``(B, N)`` ints,
         for ``rotary``; by default ``0 .. N-1``, this shard's with ``process_group``,

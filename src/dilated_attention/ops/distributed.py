@@ -112,11 +112,22 @@ _NOT_A_MEMBER = (
 )
 
 
-def _gather(group, entry: dict, error: Exception | None = None) -> list[dict]:
-    """All-gather every rank's ``entry``; where any rank's holds an ``"error"`` (its
-    input was bad), every rank raises that error (the first such rank's message)."""
+# What each collective of a call is, by the words its mismatch error uses: every
+# rank's entry names its own, so that ranks at different steps (one passing
+# ``positions``, another not) raise together instead of pairing unlike calls.
+_STEPS = {
+    "agree": "the attention's configuration check",
+    "shard_start": "the shard's positions (a rotary layer or LongNetLM given no positions)",
+}
+
+
+def _gather(group, entry: dict, error: Exception | None = None, step: str | None = None) -> list[dict]:
+    """All-gather every rank's ``entry`` at collective ``step`` (a key of ``_STEPS``);
+    where any rank's holds an ``"error"`` (its input was bad), every rank raises that
+    error (the first such rank's message); where ranks are at different steps, every
+    rank raises a ``ValueError`` saying which."""
     table: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(table, entry, group=group)
+    dist.all_gather_object(table, {**entry, "step": step}, group=group)
     for rank, theirs in enumerate(table):
         if "error" in theirs:
             kind, message = theirs["error"]
@@ -124,6 +135,13 @@ def _gather(group, entry: dict, error: Exception | None = None) -> list[dict]:
                 f"{message} (bad input on rank {rank} of process_group; every rank raises this error)"
             )
             raise raised from error
+    steps = [theirs["step"] for theirs in table]
+    if any(theirs != steps[0] for theirs in steps):
+        raise ValueError(
+            "process_group ranks made different calls (per rank: "
+            f"{[_STEPS.get(theirs, theirs) for theirs in steps]}): every rank must call the layer or model "
+            "with the same configuration, for instance positions= on every rank or on none"
+        )
     return table
 
 
@@ -177,7 +195,7 @@ def agree(group, call, dropout_p: float, error: Exception | None) -> tuple[list[
     else:
         mine = {"error": (type(error).__name__, str(error))}
     try:
-        table = _gather(group, mine, error)
+        table = _gather(group, mine, error, "agree")
         for name in table[0]["settings"]:
             values = [entry["settings"][name] for entry in table]
             if any(value != values[0] for value in values):
@@ -372,5 +390,5 @@ def shard_start(process_group, length: int) -> int:
     """The sequence position of this rank's first row, given its shard's ``length``:
     the lower ranks' lengths summed (one small all-gather)."""
     group = communicator_of(process_group).group
-    table = _gather(group, {"length": int(length)})
+    table = _gather(group, {"length": int(length)}, step="shard_start")
     return sum(entry["length"] for entry in table[: dist.get_rank(group)])

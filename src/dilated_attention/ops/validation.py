@@ -135,7 +135,7 @@ def check_head_offsets(head_offsets) -> str:
 def check_dropout(dropout_p, name: str = "dropout_p") -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1), got {type_name(dropout_p)}")
-    if not 0.0 <= float(dropout_p) < 1.0:
+    if not 0.0 <= dropout_p < 1.0:  # compared as given: float() of a huge int overflows
         raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")
     return float(dropout_p)
 
@@ -492,6 +492,8 @@ def check_attention(
     key_offsets = check_key_offset(key_offset, batch)
     for offset in sorted(set(key_offsets)):
         check_window(offset, num_queries, num_keys, segment_lengths)
+    scale = check_scale(softmax_scale, head_dim)
+    kernel_scale(scale, q.dtype)  # refused here, before a caller draws a dropout seed, where float32 cannot hold it
     return Attention(
         q,
         k,
@@ -502,6 +504,6 @@ def check_attention(
         mode,
         head_offsets,
         is_causal,
-        check_scale(softmax_scale, head_dim),
+        scale,
         key_offsets,
     )

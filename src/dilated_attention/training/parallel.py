@@ -8,7 +8,8 @@
   gradients (each rank's part of the sum) are summed.
 
 Either way a step computes the same loss and gradients as one process given the same
-global batch, up to float rounding.
+global batch, up to float rounding, where the model has no dropout (its embedding and
+residual dropout masks come from each process's own generator).
 """
 
 from __future__ import annotations
@@ -115,14 +116,15 @@ class Parallel:
             g.copy_(part.view_as(g))
 
 
-def setup(sequence_parallel: bool, device: str | None) -> Parallel:
+def setup(sequence_parallel: bool, device: str | None, asked_by: str = "--sequence-parallel") -> Parallel:
     """Join the process group ``torchrun`` describes in the environment (if any), and
-    pick this rank's device (``cuda:LOCAL_RANK`` on GPUs)."""
+    pick this rank's device (``cuda:LOCAL_RANK`` on GPUs). ``asked_by``: what asked
+    for ``sequence_parallel``, in the error where one process cannot do it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     kind = device_type(device)
     if world == 1:
         if sequence_parallel:
-            raise ValueError("--sequence-parallel needs several processes: launch with torchrun --nproc_per_node N")
+            raise ValueError(f"{asked_by} needs several processes: launch with torchrun --nproc_per_node N")
         return Parallel(device=torch.device(kind))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if kind == "cuda":

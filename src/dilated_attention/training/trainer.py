@@ -154,7 +154,13 @@ def _train_or_resume(run_dir, settings, model_config, resume, device, callback, 
         raise ValueError("a new run needs settings and model_config")
     else:
         _check_model(model_config, settings)
-    place = parallel.setup(settings.sequence_parallel, device)
+    asked_by = (
+        f"{run_dir} was trained with --sequence-parallel, which its resumed runs keep (the processes' dropout "
+        "masks depend on how they split a step); it"
+        if resume
+        else "--sequence-parallel"
+    )
+    place = parallel.setup(settings.sequence_parallel, device, asked_by)
     try:
         _check_split(settings, place)
         _check_fits(model_config, place.device)
@@ -226,7 +232,7 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         batches.load_state_dict(state["data"])
-        _restore_rng(state["rng"], place)
+        _restore_rng(state["rng"], place, settings.seed + 1_000_003 * place.rank + state["step"])
         step, elapsed = state["step"], state["elapsed_s"]
         if place.is_main:
             run_folder.truncate_log(run_dir, step)
@@ -498,9 +504,14 @@ def _rng_state(device: torch.device) -> dict:
     return states
 
 
-def _restore_rng(states: list, place) -> None:
-    """This rank's random state (rank 0's for ranks the checkpoint did not have)."""
-    mine = states[min(place.rank, len(states) - 1)]
+def _restore_rng(states: list, place, fresh_seed: int) -> None:
+    """This rank's random state; a rank the checkpoint did not have (a resume on more
+    processes) is seeded with ``fresh_seed`` instead, so that no two ranks draw the
+    same dropout masks."""
+    if place.rank >= len(states):
+        torch.manual_seed(fresh_seed)
+        return
+    mine = states[place.rank]
     torch.set_rng_state(mine["torch"])
     if place.device.type == "cuda" and "cuda" in mine:
         torch.cuda.set_rng_state(mine["cuda"], place.device)
