@@ -173,6 +173,9 @@ def test_json_from_reads_the_last_line_and_says_how_a_process_failed():
     python = [sys.executable, "-c"]
     assert benchmark.json_from([*python, "print('noise'); print('[1, 2]')"], "a child") == [1, 2]
     assert benchmark.json_from([*python, "import sys; print(sys.stdin.read())"], "a child", '{"a": 3}') == {"a": 3}
+    env = {**os.environ, "DILATED_ATTENTION_TEST_VALUE": "7"}
+    read_env = "import os; print(os.environ['DILATED_ATTENTION_TEST_VALUE'])"
+    assert benchmark.json_from([*python, read_env], "a child", env=env) == 7
     with pytest.raises(RuntimeError, match=r"(?s)a child's process ended with exit status 3:.*boom"):
         benchmark.json_from([*python, "import sys; sys.stderr.write('boom'); sys.exit(3)"], "a child")
     with pytest.raises(RuntimeError, match="a child's process ended with signal 9"):
@@ -510,6 +513,7 @@ def test_bench_skips_a_first_length_whose_floor_passes_max_seconds(tmp_path, cap
     assert main([*args, "--max-seconds", "0.001", "--no-plot", "--no-memory", "--out-dir", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / f"bench-cpu-float32-{MACHINE}.json").read_text())["rows"]
     assert row["fwd_ms"] is None and row["note"].startswith("skipped: predicted")
+    assert row["note"].endswith("s > --max-seconds 0.001") and "predicted 0 s" not in row["note"]
 
 
 @pytest.mark.parametrize(("seq_len", "w", "r"), [(1, 16, 1), (40, 16, 4), (64, 10**6, 1), (64, 16, 100)])

@@ -111,6 +111,29 @@ def test_scores_depend_on_the_seed_only():
     assert [s.examples for s in largest.scores] == [6, 6] and largest.scores != first.scores
 
 
+def test_scoring_makes_each_batch_of_examples_when_it_runs_it(monkeypatch):
+    """Memory is bounded by a batch, not by ``examples`` (long examples add up)."""
+    made = []
+    make_example = tasks.make_example
+    monkeypatch.setattr(tasks, "make_example", lambda *args: made.append(1) or make_example(*args))
+    seen = []
+
+    def model(tokens):
+        seen.append((len(made), tokens.shape[0]))
+        return torch.zeros(*tokens.shape, 256)
+
+    retrieval.score(model, "recall", 64, [16, 32], examples=7, batch_size=3)
+    assert seen == [(3, 3), (6, 3), (7, 1), (10, 3), (13, 3), (14, 1)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 400), st.integers(1, 600), st.integers(0, 2**32))
+def test_distinct_draws_are_distinct_and_in_range(count, high, seed):
+    codes = tasks._distinct(count, high, torch.Generator().manual_seed(seed))
+    assert len(codes) == len(set(codes)) == min(count, high)
+    assert all(0 <= code < high for code in codes)
+
+
 def test_training_batches_mix_task_examples_reproducibly():
     data = torch.tensor(list(b"def f(x):\n    return x + 1\n" * 200), dtype=torch.uint8)
     batches = Batches(data, 256, 8, seed=5, task="passkey", task_fraction=1.0)
@@ -233,6 +256,8 @@ def test_evaluate_by_default_works_for_a_context_shorter_than_an_example(tmp_pat
     assert main(["evaluate", "--run", run, "--task", "recall", "--max-distance", str(2**39)]) == 2
     err = capsys.readouterr().err
     assert f"a forward pass over 8 examples of {2**39 + 10} bytes take" in err and "--max-distance" in err
+    assert main(["evaluate", "--run", run, "--task", "recall", "--max-distance", str(2**40)]) == 2
+    assert "max_distance (--max-distance) must be in [11, 2**40)" in capsys.readouterr().err
     # a run trained on text that is gone (or came through a pipe, --data <(zcat ...)): --data gives it
     os.rename(text, tmp_path / "moved.py")
     assert main(["evaluate", "--run", run, "--task", "passkey", "--examples", "1"]) == 2

@@ -170,7 +170,7 @@ def test_sequence_parallel_with_dropout_resumes_exactly(tmp_path, text_file):
     assert losses(str(tmp_path / "parts")) == losses(str(tmp_path / "whole"))
 
 
-def test_command_line_trains_then_generates(tmp_path, text_file, capsys, monkeypatch):
+def test_command_line_trains_then_generates(tmp_path, text_file, capsysbinary, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "model.json"
     config.write_text(CONFIG.to_json())
@@ -193,22 +193,23 @@ def test_command_line_trains_then_generates(tmp_path, text_file, capsys, monkeyp
         )
         == 0
     )
-    out = capsys.readouterr().out
+    out = capsysbinary.readouterr().out.decode()
     assert "step 6/6 (done)" in out and "bits per byte" in out and "sessions" not in out  # never resumed
     (run,) = os.listdir(tmp_path / "runs")
     assert main(["generate", "--prompt", "def alpha", "--max-new-tokens", "25", "--seed", "1"]) == 0
-    captured = capsys.readouterr()
-    assert captured.out.startswith("def alpha") and f"runs/{run}" in captured.err
-    assert "25 tokens in" in captured.err and "cache" in captured.err
+    captured = capsysbinary.readouterr()
+    err = captured.err.decode()
+    assert captured.out.startswith(b"def alpha") and f"runs/{run}" in err
+    assert "25 tokens in" in err and "cache" in err
 
 
-def test_generation_from_a_run_repeats_with_its_seed(tmp_path, text_file, capsys):
+def test_generation_from_a_run_repeats_with_its_seed(tmp_path, text_file, capsysbinary):
     run = str(tmp_path / "run")
     train(run, settings(text_file, steps=2), CONFIG, progress=False)
     texts = []
     for _ in range(2):
         assert main(["generate", "--run", run, "--prompt", "x", "--max-new-tokens", "40", "--seed", "3"]) == 0
-        texts.append(capsys.readouterr().out)
+        texts.append(capsysbinary.readouterr().out)
     assert texts[0] == texts[1] and len(texts[0]) > 1
 
 
@@ -448,8 +449,11 @@ def test_temporaries_of_a_killed_writer_are_removed_when_the_run_restarts(tmp_pa
     train(str(run), settings(text_file, steps=2), CONFIG, progress=False)
     stale = run / f".checkpoint.pt.{'0123456789abcdef' * 2}.tmp"  # what SIGKILL during a write leaves
     stale.write_bytes(b"partial checkpoint")
+    # an evaluate takes no lock: its file being written (or left by a kill) is not the run's to remove
+    evaluating = run / f".retrieval-recall.png.{'fedcba9876543210' * 2}.tmp"
+    evaluating.write_bytes(b"half a plot")
     train(str(run), settings(text_file, steps=3, data=os.path.abspath(text_file)), resume=True, progress=False)
-    assert not stale.exists()
+    assert not stale.exists() and evaluating.read_bytes() == b"half a plot"
 
 
 def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, text_file, capsys, monkeypatch):
@@ -546,12 +550,24 @@ def test_numbers_of_the_wrong_type_are_type_errors_and_ranges_value_errors():
         LongNetConfig(layer_norm_eps=float("nan"))
 
 
-def test_a_prompt_that_is_not_utf8_is_taken_as_its_bytes(tmp_path, text_file, capsys):
+def test_generated_bytes_are_written_as_they_are(tmp_path, text_file, capsysbinary):
+    """A prompt that is not UTF-8 is taken as its bytes and written back as them; on a
+    stdout of another encoding (ASCII here) the bytes go out unchanged too."""
     run = str(tmp_path / "run")
     train(run, settings(text_file, steps=2), CONFIG, progress=False)
     prompt = os.fsdecode(b"caf\xe9 \xff")  # Latin-1 bytes, as a shell passes them
     assert main(["generate", "--run", run, "--prompt", prompt, "--max-new-tokens", "5"]) == 0
-    assert capsys.readouterr().out.startswith("caf\ufffd \ufffd")
+    out = capsysbinary.readouterr().out
+    assert out.startswith(b"caf\xe9 \xff") and out.endswith(b"\n") and len(out) == 6 + 5 + 1
+    command = [sys.executable, "-m", "dilated_attention", "generate", "--run", run, "--prompt", "h\u00e9llo"]
+    done = subprocess.run(
+        [*command, "--max-new-tokens", "3"],
+        capture_output=True,
+        env={**os.environ, "PYTHONIOENCODING": "ascii"},
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("h\u00e9llo".encode()) and len(done.stdout) == 6 + 3 + 1
 
 
 def test_a_tiny_temperature_samples_the_likeliest_tokens():
@@ -678,6 +694,10 @@ def test_a_resume_that_moves_the_learning_rate_says_so(tmp_path, text_file, caps
     before, now = saved.learning_rate(3), dataclasses.replace(saved, steps=8).learning_rate(3)
     assert now > 3 * before
     assert f"now spans 8 steps, not 3: at step 3 it is {now:.3g}, where it was {before:.3g}" in capsys.readouterr().err
+    # the log's rate is the one each step took: the saved schedule's, then the new one's from the first resumed step
+    longer = dataclasses.replace(saved, steps=8)
+    expected = [saved.learning_rate(s) for s in range(3)] + [longer.learning_rate(s) for s in range(3, 8)]
+    assert [r["lr"] for r in read_log(run)] == pytest.approx(expected, rel=1e-12)
 
 
 def test_every_failed_write_into_the_run_folder_says_so(tmp_path, text_file, capsys, monkeypatch):

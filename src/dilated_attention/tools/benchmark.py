@@ -570,7 +570,7 @@ def measure(
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     row = Row(impl, seq_len)
     if predicted_s is not None and predicted_s > cfg.max_seconds:
-        row.note = f"skipped: predicted {predicted_s:.0f} s > --max-seconds {cfg.max_seconds:.0f}"
+        row.note = f"skipped: predicted {predicted_s:.3g} s > --max-seconds {cfg.max_seconds:g}"
         return row
     if impl == "dense":
         row.sdpa_backend, row.kernels = fastest_dense(seq_len, cfg)
@@ -666,11 +666,11 @@ def measure_memories(cfg: BenchConfig, rows: Sequence[tuple[str, int, str | None
     return [tuple(pair) for pair in pairs]
 
 
-def json_from(command: Sequence[str], what: str, stdin: str | None = None):
-    """The JSON value a process (``command``, fed ``stdin``) prints on its last line of
-    output; a ``RuntimeError`` naming ``what`` with its exit status or signal and the
-    end of its stderr where it fails."""
-    done = subprocess.run(list(command), input=stdin, capture_output=True, text=True)
+def json_from(command: Sequence[str], what: str, stdin: str | None = None, env: dict[str, str] | None = None):
+    """The JSON value a process (``command``, fed ``stdin``, with environment ``env`` or
+    this one's) prints on its last line of output; a ``RuntimeError`` naming ``what``
+    with its exit status or signal and the end of its stderr where it fails."""
+    done = subprocess.run(list(command), input=stdin, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit status {done.returncode}"
         raise RuntimeError(f"{what}'s process ended with {how}:\n{done.stderr[-4000:]}")

@@ -337,6 +337,26 @@ def newest_run(root: str = RUNS) -> str:
     return max(runs, key=lambda d: os.path.getmtime(os.path.join(d, checkpoint.CHECKPOINT)))
 
 
+def _byte_writer(stream):
+    """``write(data, final=False)``: ``data`` bytes onto the text stream ``stream`` as
+    they are (the model writes bytes: its text is exact whatever the stream's encoding),
+    through its binary buffer; a stream without one (an ``io.StringIO``) gets them
+    decoded as UTF-8, invalid bytes replaced."""
+    binary = getattr(stream, "buffer", None)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    stream.flush()  # what was written as text comes first
+
+    def write(data: bytes, final: bool = False) -> None:
+        if binary is not None:
+            binary.write(data)
+            binary.flush()
+        else:
+            stream.write(decoder.decode(data, final=final))
+            stream.flush()
+
+    return write
+
+
 def _cmd_generate(args) -> int:
     from ..models import stream
 
@@ -358,8 +378,8 @@ def _cmd_generate(args) -> int:
     cache = model.new_cache(1)
     generator = torch.Generator(device).manual_seed(args.seed)
     print(f"[{run_dir}]", file=sys.stderr)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    sys.stdout.write(decoder.decode(prompt_bytes))
+    write = _byte_writer(sys.stdout)
+    write(prompt_bytes)
     started, count = time.perf_counter(), 0
     for token in stream(
         model,
@@ -371,10 +391,9 @@ def _cmd_generate(args) -> int:
         generator=generator,
         cache=cache,
     ):
-        sys.stdout.write(decoder.decode(bytes([int(token)])))
-        sys.stdout.flush()
+        write(bytes([int(token)]))
         count += 1
-    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    write(b"\n", final=True)
     seconds = time.perf_counter() - started
     print(
         f"{count} tokens in {seconds:.2f} s ({count / max(seconds, 1e-9):.1f} tokens/s, prompt included in the "

@@ -79,10 +79,10 @@ def score(
         length = max(context, tasks.min_length(task, distance))
         # one generator per distance, within the range a torch generator's seed takes
         generator = torch.Generator().manual_seed((seed * 1_000_003 + distance) % validation.SEED_LIMIT)
-        made = [tasks.make_example(task, length, distance, generator, filler) for _ in range(examples)]
         right, bits = 0, 0.0
-        for first in range(0, examples, batch_size):
-            batch = made[first : first + batch_size]
+        for first in range(0, examples, batch_size):  # made a batch at a time: memory bounded by the batch
+            count = min(batch_size, examples - first)
+            batch = [tasks.make_example(task, length, distance, generator, filler) for _ in range(count)]
             answer = batch[0].answer
             tokens = torch.stack([e.tokens for e in batch]).long().to(device)
             with torch.inference_mode():
@@ -192,7 +192,7 @@ def evaluate_run(
     config, settings = read_run_config(run_dir)
     if max_distance is None:
         max_distance = max(settings.context - tasks.min_length(task, 0), tasks.min_distance(task))
-    max_distance = validation.check_int(max_distance, "max_distance", tasks.min_distance(task), 2**40)
+    max_distance = validation.check_int(max_distance, "max_distance (--max-distance)", tasks.min_distance(task), 2**40)
     if task != "passkey" and data is not None:
         raise ValueError(f"data (--data) is the text a passkey hides in: {task} takes none, drop it")
     if task == "passkey" and data is None:

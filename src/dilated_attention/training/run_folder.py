@@ -14,6 +14,7 @@ import sys
 
 from ..models import LongNetConfig
 from ..utils.files import TEMPORARY_SUFFIX, atomic_write
+from .checkpoint import CHECKPOINT, PREVIOUS
 from .settings import TrainSettings
 
 CONFIG = "config.json"
@@ -88,11 +89,13 @@ def _holder(fd: int) -> str:
 
 
 def remove_stale_temporaries(run_dir: str) -> list[str]:
-    """Delete the temporary files that writers killed mid-write left in ``run_dir``
-    (``.NAME.<id>.tmp``, see :func:`dilated_attention.utils.files.atomic_write`); call it
-    holding the folder's :class:`RunLock`, so that no live writer owns one. Returns
-    their names."""
-    stale = [name for name in os.listdir(run_dir) if _is_temporary(name)]
+    """Delete the temporary files that training writers killed mid-write left in
+    ``run_dir`` (``.NAME.<id>.tmp`` of the files a run writes, see
+    :func:`dilated_attention.utils.files.atomic_write`); call it holding the folder's
+    :class:`RunLock`, so that no live writer owns one. Others (an ``evaluate``'s, which
+    takes no lock) are left alone. Returns their names."""
+    written = (CONFIG, LOG, PLOT, CHECKPOINT, PREVIOUS)
+    stale = [name for name in os.listdir(run_dir) if _is_temporary(name) and name[1:].rsplit(".", 2)[0] in written]
     for name in stale:
         os.remove(os.path.join(run_dir, name))
     return stale
@@ -155,7 +158,7 @@ def make_run_folder(run_dir: str) -> None:
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"--out {run_dir}: cannot create the run folder ({exc.strerror})") from None
+        raise ValueError(f"cannot create the run folder {run_dir} ({exc.strerror}): pick another with --out") from None
 
 
 def write_run_config(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> None:

@@ -133,7 +133,7 @@ def _recall(length: int, distance: int, generator: torch.Generator) -> Example:
     to exact lengths; the queried key occurs once before the question, ``distance``
     bytes back."""
     items = length // _PAIR + 2
-    codes = torch.randperm(26**RECALL_KEY, generator=generator)[:items].tolist()
+    codes = _distinct(items, 26**RECALL_KEY, generator)
     keys = [bytes(LETTERS[code // 26**i % 26] for i in range(RECALL_KEY)) for code in codes]
     values = [_digits(RECALL_VALUE, generator) for _ in keys]
     target, others = 0, iter(range(1, items))  # the queried key, and the others in order of first use
@@ -159,6 +159,23 @@ def _recall(length: int, distance: int, generator: torch.Generator) -> Example:
     between = stream(distance - RECALL_VALUE - 1 - len(question))
     text = before + question + values[target] + b";" + between + question + values[target]
     return Example(_bytes(text, length), RECALL_VALUE, distance)
+
+
+def _distinct(count: int, high: int, generator: torch.Generator) -> list[int]:
+    """``min(count, high)`` distinct ints drawn uniformly from ``[0, high)``, in the
+    order drawn. Where they are a small share of ``high``, draws that repeat an
+    earlier one are drawn again (a permutation costs ``O(high)`` time and memory per
+    call); else the first of a random permutation."""
+    if 4 * count > high:
+        return torch.randperm(high, generator=generator)[:count].tolist()
+    codes: list[int] = []
+    seen: set[int] = set()
+    while len(codes) < count:
+        for code in torch.randint(0, high, (count - len(codes),), generator=generator).tolist():
+            if code not in seen:
+                seen.add(code)
+                codes.append(code)
+    return codes
 
 
 def _bytes(text: bytes, length: int) -> torch.Tensor:

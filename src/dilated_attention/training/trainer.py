@@ -231,6 +231,9 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        # The optimizer's state holds the rate of the saved schedule; the next step takes this one's.
+        for group, base, rate in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+            group["lr"] = base * rate(scheduler.last_epoch)
         batches.load_state_dict(state["data"])
         _restore_rng(state["rng"], place, settings.seed + 1_000_003 * place.rank + state["step"])
         step, elapsed = state["step"], state["elapsed_s"]
@@ -297,6 +300,7 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
             tick = time.perf_counter()
             inputs, targets = batches.next()
             count = targets.numel()
+            lr = optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves it after the step)
             summed = loss_sum(trained, inputs, targets)
             (summed * place.loss_weight(count)).backward()
             place.finish_gradients(model)
@@ -312,7 +316,7 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
                 "step": step,
                 "loss": loss,
                 "bpb": loss / math.log(2),
-                "lr": scheduler.get_last_lr()[0],
+                "lr": lr,
                 "tokens_per_s": count / seconds,
                 "elapsed_s": elapsed,
             }
