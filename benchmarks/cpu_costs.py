@@ -15,7 +15,12 @@ one process, the median of each side's times:
 - a forward of each mode with the key packing (``ops.kernels._packed_keys``) against
   one without it;
 - a ``head_groups`` forward before and after a ``PeakMemory`` measurement in the same
-  process (its glibc settings last for the rest of a process), in a fresh process.
+  process (its glibc settings last for the rest of a process), in a fresh process;
+- PyTorch's huge-page allocation (``THP_MEM_ALLOC_ENABLE=1``: blocks of 2 MiB and more
+  aligned to 2 MiB and advised to the kernel as huge pages, where
+  ``/sys/kernel/mm/transparent_hugepage/enabled`` allows it): fresh processes with and
+  without it, taking turns, each timing a fresh output, a forward of each mode and the
+  ``head_groups`` forward against the kernel alone, alternating.
 
 Writes benchmarks/results/cpu-costs-cpu-float32-<machine>.json and .txt.
 """
@@ -148,10 +153,60 @@ def after_peak_memory(repeats: int) -> dict:
     return benchmark.json_from([sys.executable, "-c", code], "the PeakMemory measurement")
 
 
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+
+
+def huge_pages(repeats: int, rounds: int) -> dict:
+    """Fresh processes with and without ``THP_MEM_ALLOC_ENABLE=1``, taking turns
+    ``rounds`` times: per setting, the median over its processes of each process's
+    median fresh ``torch.full`` of the output, forwards of both modes, and
+    ``head_groups`` forward GFLOP/s over the kernel's alone (alternating in-process)."""
+    code = (
+        "import json, statistics, sys, torch\n"
+        f"sys.path.insert(0, {HERE!r})\n"
+        "import cpu_costs as c\n"
+        f"torch.set_num_threads({torch.get_num_threads()})\n"
+        "q, k, v = c.inputs()\n"
+        "found = {}\n"
+        "with torch.no_grad():\n"
+        "    calls = {'fresh_ms': lambda: torch.full(q.shape, 0.0),\n"
+        "             'head_groups_ms': c.forward('head_groups', q, k, v),\n"
+        "             'mixture_ms': c.forward('mixture', q, k, v)}\n"
+        "    for name, call in calls.items():\n"
+        "        call()\n"
+        f"        found[name] = 1e3 * statistics.median(c.benchmark._seconds(call, c.CPU) for _ in range({repeats}))\n"
+        f"cfg = c.benchmark.BenchConfig(seq_lens=[c.N], repeats={repeats})\n"
+        "found['head_groups_over_kernel'] = c.benchmark.kernel_fraction('head_groups', c.N, cfg, False)\n"
+        "print(json.dumps(found))"
+    )
+    settings = {"default": "0", "huge_pages": "1"}
+    runs: dict[str, list[dict]] = {name: [] for name in settings}
+    for _ in range(rounds):
+        for name, value in settings.items():
+            env = {**os.environ, HUGE_PAGES_ENV: value}
+            runs[name].append(benchmark.json_from([sys.executable, "-c", code], f"the {name} process", env=env))
+    return {
+        name: {key: statistics.median(run[key] for run in found) for key in found[0]} for name, found in runs.items()
+    }
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's THP mode (the bracketed word of its setting), or why it is unknown."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            setting = f.read()
+    except OSError:
+        return "unknown (no /sys/kernel/mm/transparent_hugepage/enabled)"
+    return setting[setting.find("[") + 1 : setting.find("]")] if "[" in setting else setting.strip()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=threads, default=2, help="torch.set_num_threads (default: 2)")
     parser.add_argument("--repeats", type=positive_int, default=9, help="runs of each side (default: 9)")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=3, help="processes of each huge-page setting, taking turns (default: 3)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -197,6 +252,22 @@ def main() -> int:
         f"\nhead_groups forward in a fresh process: {peak['before_ms']:.0f} ms, after one PeakMemory "
         f"{peak['after_ms']:.0f} ms (x{peak['after_ms'] / peak['before_ms']:.3f})"
     )
+    thp_mode = transparent_huge_pages()
+    pages = huge_pages(args.repeats, args.rounds)
+    say(
+        f"\n{HUGE_PAGES_ENV}=1 (PyTorch's huge-page allocation; the kernel's THP mode: {thp_mode}) and the "
+        f"default,\n{args.rounds} fresh processes of each taking turns, the median of theirs:"
+    )
+    labels = {
+        "fresh_ms": "fresh torch.full of the output, ms",
+        "head_groups_ms": "head_groups forward, ms",
+        "mixture_ms": "mixture forward, ms",
+        "head_groups_over_kernel": "head_groups forward GFLOP/s / the kernel's",
+    }
+    say(f"  {'':46}{'default':>10}{'huge pages':>12}")
+    for key, label in labels.items():
+        digits = 3 if key == "head_groups_over_kernel" else 1
+        say(f"  {label:46}{pages['default'][key]:>10.{digits}f}{pages['huge_pages'][key]:>12.{digits}f}")
     slug = benchmark.machine_slug(CPU)
     stem = os.path.join(HERE, "results", f"cpu-costs-cpu-float32-{slug}")
     payload = {
@@ -206,6 +277,7 @@ def main() -> int:
         "kernel_calls": calls,
         "packing": packed,
         "peak_memory": peak,
+        "huge_pages": {"thp_mode": thp_mode, "rounds": args.rounds, **pages},
     }
     write_results(stem, json.loads(json.dumps(payload)), "\n".join(lines))
     print(f"wrote {stem}.json and {stem}.txt")

@@ -135,9 +135,13 @@ def check_head_offsets(head_offsets) -> str:
 def check_dropout(dropout_p, name: str = "dropout_p") -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1), got {type_name(dropout_p)}")
-    if not 0.0 <= dropout_p < 1.0:  # compared as given: float() of a huge int overflows
+    try:
+        value = float(dropout_p)
+    except OverflowError:  # an int beyond float's range
+        value = math.inf
+    if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")
-    return float(dropout_p)
+    return value
 
 
 def check_scale(softmax_scale, head_dim: int) -> float:
