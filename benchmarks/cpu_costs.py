@@ -133,14 +133,23 @@ def packing(repeats: int) -> dict:
     return found
 
 
-def after_peak_memory(repeats: int) -> dict:
-    """In a fresh process: head_groups forwards before and after one PeakMemory."""
+def in_fresh_process(body: str, what: str, env: dict[str, str] | None = None):
+    """The JSON that ``body`` prints, run in a fresh process (environment ``env``)
+    after it imports this module as ``c``, takes this one's thread count and makes
+    ``q, k, v``."""
     code = (
         "import json, statistics, sys, torch\n"
         f"sys.path.insert(0, {HERE!r})\n"
         "import cpu_costs as c\n"
         f"torch.set_num_threads({torch.get_num_threads()})\n"
         "q, k, v = c.inputs()\n"
+    )
+    return benchmark.json_from([sys.executable, "-c", code + body], what, env=env)
+
+
+def after_peak_memory(repeats: int) -> dict:
+    """In a fresh process: head_groups forwards before and after one PeakMemory."""
+    body = (
         "call = c.forward('head_groups', q, k, v)\n"
         "with torch.no_grad():\n"
         "    call()\n"
@@ -150,7 +159,7 @@ def after_peak_memory(repeats: int) -> dict:
         f"    after = [c.benchmark._seconds(call, c.CPU) for _ in range({repeats})]\n"
         "print(json.dumps({'before_ms': 1e3 * statistics.median(before), 'after_ms': 1e3 * statistics.median(after)}))"
     )
-    return benchmark.json_from([sys.executable, "-c", code], "the PeakMemory measurement")
+    return in_fresh_process(body, "the PeakMemory measurement")
 
 
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
@@ -161,12 +170,7 @@ def huge_pages(repeats: int, rounds: int) -> dict:
     ``rounds`` times: per setting, the median over its processes of each process's
     median fresh ``torch.full`` of the output, forwards of both modes, and
     ``head_groups`` forward GFLOP/s over the kernel's alone (alternating in-process)."""
-    code = (
-        "import json, statistics, sys, torch\n"
-        f"sys.path.insert(0, {HERE!r})\n"
-        "import cpu_costs as c\n"
-        f"torch.set_num_threads({torch.get_num_threads()})\n"
-        "q, k, v = c.inputs()\n"
+    body = (
         "found = {}\n"
         "with torch.no_grad():\n"
         "    calls = {'fresh_ms': lambda: torch.full(q.shape, 0.0),\n"
@@ -184,7 +188,7 @@ def huge_pages(repeats: int, rounds: int) -> dict:
     for _ in range(rounds):
         for name, value in settings.items():
             env = {**os.environ, HUGE_PAGES_ENV: value}
-            runs[name].append(benchmark.json_from([sys.executable, "-c", code], f"the {name} process", env=env))
+            runs[name].append(in_fresh_process(body, f"the {name} process", env))
     return {
         name: {key: statistics.median(run[key] for run in found) for key in found[0]} for name, found in runs.items()
     }
