@@ -17,7 +17,7 @@ one process, the median of each side's times:
 - a ``head_groups`` forward before and after a ``PeakMemory`` measurement in the same
   process (its glibc settings last for the rest of a process), in a fresh process;
 - PyTorch's huge-page allocation (``THP_MEM_ALLOC_ENABLE=1``: blocks of 2 MiB and more
-  aligned to 2 MiB and advised to the kernel as huge pages, where
+  advised to the kernel as huge pages, which back their 2 MiB-aligned parts where
   ``/sys/kernel/mm/transparent_hugepage/enabled`` allows it): fresh processes with and
   without it, taking turns, each timing a fresh output, a forward of each mode and the
   ``head_groups`` forward against the kernel alone, alternating.

@@ -6,6 +6,7 @@ import math
 import os
 import pathlib
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -568,6 +569,13 @@ def test_generated_bytes_are_written_as_they_are(tmp_path, text_file, capsysbina
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("h\u00e9llo".encode()) and len(done.stdout) == 6 + 3 + 1
+    closed = subprocess.run(  # started with stdout closed: refused in one line
+        f"{shlex.quote(sys.executable)} -m dilated_attention generate --run {shlex.quote(run)} --prompt x >&-",
+        shell=True,
+        stderr=subprocess.PIPE,
+        timeout=TIMEOUT_S,
+    )
+    assert closed.returncode == 2 and b"stdout, which is closed" in closed.stderr
 
 
 def test_a_tiny_temperature_samples_the_likeliest_tokens():

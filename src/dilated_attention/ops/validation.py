@@ -51,6 +51,14 @@ def shared_errors(process_group):
         raise_everywhere(process_group, error)
 
 
+def shown_number(value) -> str:
+    """``value`` for an error message; an int of more than 30 digits by its size (its
+    digits may be too many to print)."""
+    if isinstance(value, numbers.Integral) and abs(int(value)).bit_length() > 100:
+        return f"an int of {int(value).bit_length()} bits"
+    return str(value)
+
+
 def type_name(value) -> str:
     """``int``, ``numpy.bool_``, ``torch.Tensor``: a type name a user recognises."""
     cls = type(value)
@@ -140,7 +148,7 @@ def check_dropout(dropout_p, name: str = "dropout_p") -> float:
     except OverflowError:  # an int beyond float's range
         value = math.inf
     if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")
+        raise ValueError(f"{name} must be in [0, 1), got {shown_number(dropout_p)}")
     return value
 
 
@@ -154,7 +162,7 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     except OverflowError:
         scale = math.inf
     if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+        raise ValueError(f"softmax_scale must be finite, got {shown_number(softmax_scale)}")
     return scale
 
 

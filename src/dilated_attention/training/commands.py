@@ -362,6 +362,8 @@ def _cmd_generate(args) -> int:
 
     if args.top_p is not None and args.top_p > 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if sys.stdout is None:  # started with stdout closed (>&-)
+        raise ValueError("generate writes the text to stdout, which is closed: redirect it to a file or a pipe")
     device = device_type(args.device)
     run_dir = args.run_dir or newest_run()
     model = load_model(run_dir, device)
