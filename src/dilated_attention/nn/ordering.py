@@ -104,14 +104,6 @@ def _describe(value) -> str:
     return validation.type_name(value)
 
 
-def _check_sequence(x, order: torch.Tensor, extra_tokens: int, dim: int, name: str = "x") -> torch.Tensor:
-    """Check ``x`` (called ``name`` in messages) and ``order`` (see :func:`apply`);
-    return ``order``'s inverse."""
-    inverse = _check_order(order)
-    _check_length(x, order.numel(), extra_tokens, dim, name)
-    return inverse
-
-
 def _check_length(x, patches: int, extra_tokens: int, dim: int, name: str) -> None:
     """``x`` (called ``name``): a tensor of ``extra_tokens + patches`` tokens along ``dim``."""
     if not isinstance(x, torch.Tensor):
@@ -169,7 +161,8 @@ def shard(
     ordered sequence is cut into ``world_size`` pieces (as ``torch.tensor_split``
     cuts it: the first ``N % world_size`` pieces one token longer), without forming
     the rest: what each rank of a ``process_group`` passes to the attention."""
-    _check_sequence(x, order, extra_tokens, dim)
+    _check_order(order)
+    _check_length(x, order.numel(), extra_tokens, dim, "x")
     world_size = validation.check_positive_int(world_size, "world_size")
     rank = validation.check_int(rank, "rank", 0, world_size)
     piece = torch.tensor_split(_index(order, extra_tokens, order.device), world_size)[rank]

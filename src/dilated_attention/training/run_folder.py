@@ -95,7 +95,7 @@ def remove_stale_temporaries(run_dir: str) -> list[str]:
     :class:`RunLock`, so that no live writer owns one. Others (an ``evaluate``'s, which
     takes no lock) are left alone. Returns their names."""
     written = (CONFIG, LOG, PLOT, CHECKPOINT, PREVIOUS)
-    stale = [name for name in os.listdir(run_dir) if _is_temporary(name) and name[1:].rsplit(".", 2)[0] in written]
+    stale = [name for name in os.listdir(run_dir) if _becomes(name) in written]
     for name in stale:
         os.remove(os.path.join(run_dir, name))
     return stale
@@ -105,7 +105,7 @@ def never_started(run_dir: str) -> bool:
     """Whether ``run_dir`` holds nothing but (part of) what a new run writes before its
     first checkpoint: ``config.json`` and an empty log (a run stopped right after it
     started), or nothing at all. Such a folder can start its run again."""
-    names = {name for name in os.listdir(run_dir) if name != LOCK and not _is_temporary(name)}
+    names = {name for name in os.listdir(run_dir) if name != LOCK and _becomes(name) is None}
     if not names <= {CONFIG, LOG}:
         return False
     try:  # a config.json of the user's own is not a run's
@@ -116,9 +116,11 @@ def never_started(run_dir: str) -> bool:
         return False
 
 
-def _is_temporary(name: str) -> bool:
-    """Whether ``name`` is one of :func:`dilated_attention.utils.files.temporary_path`'s names."""
-    return re.fullmatch(r"\..+\.[0-9a-f]{32}" + re.escape(TEMPORARY_SUFFIX), name) is not None
+def _becomes(name: str) -> str | None:
+    """The file that ``name`` becomes when written whole, if it is one of
+    :func:`dilated_attention.utils.files.temporary_path`'s names; else ``None``."""
+    match = re.fullmatch(r"\.(.+)\.[0-9a-f]{32}" + re.escape(TEMPORARY_SUFFIX), name)
+    return None if match is None else match.group(1)
 
 
 def not_utf8(path: str) -> str | None:
