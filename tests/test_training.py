@@ -445,6 +445,74 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path, text_f
         assert summary["step"] == 3 and [r["step"] for r in read_log(run)] == [1, 2, 3]
 
 
+def test_a_run_out_of_memory_in_its_first_step_starts_again_smaller(tmp_path, text_file, capsys, monkeypatch):
+    from dilated_attention.models import LongNetLM
+
+    forward = LongNetLM.forward
+
+    def limited(self, tokens, **kwargs):  # as a GPU whose memory holds batches of 2 sequences
+        if tokens.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(self, tokens, **kwargs)
+
+    monkeypatch.setattr(LongNetLM, "forward", limited)
+    model = tmp_path / "model.json"
+    model.write_text(CONFIG.to_json())
+    run = str(tmp_path / "run")
+    argv = ["train", "--out", run, "--config", str(model), "--data", text_file, "--context", "64", "--steps", "3"]
+    message = _error([*argv, "--batch-size", "4", "--no-progress"], capsys)
+    assert "out of memory in the first step (CUDA out of memory. Tried to allocate 2.00 GiB)" in message
+    assert f"use a smaller --batch-size or --context, or --grad-checkpointing. {run} holds no trained step" in message
+    assert message.strip().endswith(f"--out {run}")
+    assert checkpoint.load_checkpoint(run)["step"] == 0  # the step-0 checkpoint of batches of 4
+    assert main([*argv, "--batch-size", "2", "--no-progress"]) == 0
+    assert [r["step"] for r in read_log(run)] == [1, 2, 3]
+    assert checkpoint.load_checkpoint(run)["settings"]["batch_size"] == 2
+    assert checkpoint.load_checkpoint(run, checkpoint.PREVIOUS)["settings"]["batch_size"] == 2  # not the failed start's
+    message = _error([*argv, "--batch-size", "4", "--no-progress"], capsys)  # trained: the folder is the run's now
+    assert "already holds a run: continue it with --resume" in message
+
+
+def test_a_run_interrupted_in_its_first_step_resumes_to_the_uninterrupted_losses(tmp_path, text_file, monkeypatch):
+    from dilated_attention.models import LongNetLM
+
+    whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
+    train(whole, settings(text_file, steps=3), CONFIG.replace(dropout=0.1), progress=False)
+    forward = LongNetLM.forward
+
+    def interrupted(self, tokens, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(LongNetLM, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(parts, settings(text_file, steps=3), CONFIG.replace(dropout=0.1), progress=False)
+    monkeypatch.setattr(LongNetLM, "forward", forward)
+    assert checkpoint.load_checkpoint(parts)["step"] == 0 and not read_log(parts)
+    assert train(parts, resume=True, progress=False)["step"] == 3
+    assert losses(parts) == losses(whole)
+
+
+def test_a_run_resumed_on_changed_text_says_so(tmp_path, text_file, capsys):
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=2), CONFIG, progress=False)
+    capsys.readouterr()
+    assert train(run, settings(text_file, steps=3), resume=True, progress=False)["step"] == 3
+    assert "changed" not in capsys.readouterr().err  # the same text: no note
+    size = os.path.getsize(text_file)
+    with open(text_file, "r+b") as f:  # the same length, one byte changed
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(b"Z" if byte != b"Z" else b"Y")
+    assert train(run, settings(text_file, steps=4), resume=True, progress=False)["step"] == 4
+    err = capsys.readouterr().err
+    assert f"note: the text of {text_file} changed since {run}'s checkpoint ({size:,} bytes then, {size:,} now)" in err
+    with open(text_file, "a", encoding="utf-8") as f:
+        f.write(" more text")
+    assert train(run, settings(text_file, steps=5), resume=True, progress=False)["step"] == 5
+    assert f"({size:,} bytes then, {size + 10:,} now)" in capsys.readouterr().err
+
+
 def test_temporaries_of_a_killed_writer_are_removed_when_the_run_restarts(tmp_path, text_file):
     run = tmp_path / "run"
     train(str(run), settings(text_file, steps=2), CONFIG, progress=False)

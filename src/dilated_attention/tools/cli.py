@@ -18,7 +18,7 @@ from ..ops.plan import MODES
 from ..training.commands import add_evaluate, add_generate, add_train
 from ..utils.extras import MissingExtra, require
 from ..utils.files import check_output_file, check_output_folder, fresh_folder, write_results
-from ..utils.memory import check_fits
+from ..utils.memory import check_fits, is_out_of_memory
 from . import benchmark
 from .arguments import (
     Parser,
@@ -574,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, MemoryError) as exc:  # memory the sizes asked for and the machine does not have
-        if not _out_of_memory(exc):
+        if not is_out_of_memory(exc):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         print(f"error: out of memory ({first}): use smaller sizes (batch, context, model)", file=sys.stderr)
@@ -591,14 +591,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` says the memory ran out: torch's out-of-memory error, Python's
-    ``MemoryError``, or a ``RuntimeError`` from a failed allocation of the CPU's."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return any(text in str(exc) for text in ("can't allocate memory", "std::bad_alloc", "not enough memory"))
 
 
 def _stdout_is_broken() -> bool:

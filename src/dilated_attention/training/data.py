@@ -7,6 +7,7 @@ interpreter (about 11 MB on CPython 3.11), so nothing is downloaded.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -27,12 +28,15 @@ VALIDATION_EVERY = 20
 
 @dataclass
 class Corpus:
-    """``train``, ``validation``: uint8 ``(bytes,)``; ``source``: where the text came from."""
+    """``train``, ``validation``: uint8 ``(bytes,)``; ``source``: where the text came
+    from; ``fingerprint``: its size and SHA-256, which a run's checkpoints record (a
+    resumed run says so where its text changed)."""
 
     train: torch.Tensor
     validation: torch.Tensor
     source: str
     files: int
+    fingerprint: dict
 
 
 def _files_under(folder: str, suffix: str = "", skipped=frozenset()) -> list[str]:
@@ -95,7 +99,8 @@ def load_corpus(path: str | None = None) -> Corpus:
         raise ValueError(f"{source} holds no text: give a file or folder with UTF-8 text in it")
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     train, validation = split(data)
-    return Corpus(train, validation, source, len(files))
+    fingerprint = {"bytes": len(text), "sha256": hashlib.sha256(text).hexdigest()}
+    return Corpus(train, validation, source, len(files), fingerprint)
 
 
 def split(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -14,7 +15,7 @@ import sys
 
 from ..models import LongNetConfig
 from ..utils.files import TEMPORARY_SUFFIX, atomic_write
-from .checkpoint import CHECKPOINT, PREVIOUS
+from .checkpoint import CHECKPOINT, PREVIOUS, load_checkpoint
 from .settings import TrainSettings
 
 CONFIG = "config.json"
@@ -103,15 +104,19 @@ def remove_stale_temporaries(run_dir: str) -> list[str]:
 
 def never_started(run_dir: str) -> bool:
     """Whether ``run_dir`` holds nothing but (part of) what a new run writes before its
-    first checkpoint: ``config.json`` and an empty log (a run stopped right after it
-    started), or nothing at all. Such a folder can start its run again."""
+    first step ends: ``config.json``, an empty log and the checkpoint of step 0 (a run
+    stopped, or failed, in its first step), or nothing at all. Such a folder can start
+    its run again, with other settings too: it holds no training."""
     names = {name for name in os.listdir(run_dir) if name != LOCK and _becomes(name) is None}
-    if not names <= {CONFIG, LOG}:
+    if not names <= {CONFIG, LOG, CHECKPOINT, PREVIOUS}:
         return False
     try:  # a config.json of the user's own is not a run's
         if CONFIG in names:
             read_run_config(run_dir)
-        return not read_log(run_dir)
+        # the log first: a trained run's is not empty, and its checkpoint is not read
+        return not read_log(run_dir) and all(
+            load_checkpoint(run_dir, name)["step"] == 0 for name in sorted(names & {CHECKPOINT, PREVIOUS})
+        )
     except ValueError:
         return False
 
@@ -170,7 +175,11 @@ def write_run_config(run_dir: str, model_config: LongNetConfig, settings: TrainS
 
 
 def start_run_folder(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> None:
-    """A new run's ``config.json`` and empty log."""
+    """A new run's ``config.json`` and empty log, in a folder that :func:`never_started`
+    (the step-0 checkpoints of an earlier start, of other settings perhaps, removed)."""
+    for name in (PREVIOUS, CHECKPOINT):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(run_dir, name))
     write_run_config(run_dir, model_config, settings)
     with atomic_write(os.path.join(run_dir, LOG)) as f:
         f.write("")

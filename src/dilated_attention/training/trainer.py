@@ -116,9 +116,9 @@ def train(
 
     The run holds its folder's :class:`~dilated_attention.training.run_folder.RunLock`
     (rank 0 does, under ``torchrun``) from start to end: a second process on the
-    same folder gets an error, not a share of it. A run interrupted before its first
-    checkpoint starts again from step 0 with ``resume=True``, or as a new run in the
-    same folder.
+    same folder gets an error, not a share of it. A run stopped before its first step
+    ended (interrupted, or out of memory) starts again from step 0 with ``resume=True``,
+    or as a new run in the same folder, with other settings too.
     """
     require("train", "training")
     try:
@@ -181,7 +181,7 @@ def _train_or_resume(run_dir, settings, model_config, resume, device, callback, 
 def _claim_run_folder(run_dir: str, resume: bool) -> run_folder.RunLock:
     """Lock the run folder (a new run's created first), delete what writers killed
     mid-write left in it, and refuse a new run's folder if it holds anything but an
-    earlier start of a run that never reached its first checkpoint."""
+    earlier start of a run that never finished a step."""
     if not resume:
         run_folder.make_run_folder(run_dir)
         _check_new_run_folder(run_dir)  # before the lock file goes in: a refused folder stays as it was
@@ -197,13 +197,14 @@ def _claim_run_folder(run_dir: str, resume: bool) -> run_folder.RunLock:
 
 
 def _check_new_run_folder(run_dir: str) -> None:
+    if run_folder.never_started(run_dir):
+        return
     if os.path.isfile(os.path.join(run_dir, checkpoint.CHECKPOINT)):
         raise ValueError(
             f"{run_dir} already holds a run: continue it with --resume {shlex.quote(run_dir)} (from Python: "
             "resume=True), or pick another --out (run_dir)"
         )
-    if not run_folder.never_started(run_dir):
-        raise ValueError(f"--out {run_dir} is a folder with files in it: pick an empty or new folder for the run")
+    raise ValueError(f"--out {run_dir} is a folder with files in it: pick an empty or new folder for the run")
 
 
 def _train(run_dir, settings, model_config, corpus, resume, place, callback, progress) -> dict:
@@ -239,6 +240,7 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
         step, elapsed = state["step"], state["elapsed_s"]
         if place.is_main:
             run_folder.truncate_log(run_dir, step)
+            _note_changed_text(state.get("corpus"), corpus, run_dir)
             _note_new_schedule(run_folder.read_run_config(run_dir)[1], settings, step)
             run_folder.write_run_config(run_dir, model_config, settings)  # the total steps may have changed
     elif place.is_main:
@@ -286,6 +288,7 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
                     "model_config": model_config.to_dict(),
                     "rng": rng,
                     "settings": _fixed_settings(settings),
+                    "corpus": corpus.fingerprint,
                 },
             )
 
@@ -454,6 +457,19 @@ def _note_new_schedule(saved: TrainSettings, settings: TrainSettings, step: int)
         )
 
 
+def _note_changed_text(saved: dict | None, corpus, run_dir: str) -> None:
+    """Say so where the text a run resumes on is not the text its checkpoint was
+    trained on (``saved``: the checkpoint's fingerprint; older checkpoints have none)."""
+    if saved is not None and saved != corpus.fingerprint:
+        sizes = f"{saved['bytes']:,} bytes then, {corpus.fingerprint['bytes']:,} now"
+        print(
+            f"note: the text of {corpus.source} changed since {run_dir}'s checkpoint ({sizes}): the run goes on "
+            "with the text as it is now, so its batches and validation losses are not those of an "
+            "uninterrupted run",
+            file=sys.stderr,
+        )
+
+
 def _note_evaluation_windows(corpus, settings: TrainSettings) -> None:
     """Say so where the validation split holds fewer windows than ``eval_windows``:
     each evaluation uses every window it holds (:func:`.data.evaluation_starts`)."""
@@ -476,7 +492,7 @@ def _check_split(settings: TrainSettings, place) -> None:
 
 def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> dict | None:
     """The checkpoint to resume, checked against the run's configuration and log;
-    ``None`` for a run stopped before its first checkpoint (it starts from step 0)."""
+    ``None`` for a run stopped before its first step ended (it starts from step 0)."""
     if run_folder.never_started(run_dir):
         _check_model(model_config, settings)
         return None

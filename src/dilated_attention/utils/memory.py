@@ -28,3 +28,11 @@ def check_fits(nbytes: float, device, what: str, fix: str) -> None:
         where = "physical memory of this machine" if kind == "cpu" else f"memory of the {kind} device"
         size = f"{nbytes / 2**30:.3g} GiB, more than the {memory / 2**30:.3g} GiB"
         raise ValueError(f"{what} take {size} of {where}: {fix}")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says the memory ran out: torch's out-of-memory error, Python's
+    ``MemoryError``, or a ``RuntimeError`` from a failed allocation of the CPU's."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return any(text in str(exc) for text in ("can't allocate memory", "std::bad_alloc", "not enough memory"))
