@@ -461,9 +461,13 @@ def test_a_run_out_of_memory_in_its_first_step_starts_again_smaller(tmp_path, te
     run = str(tmp_path / "run")
     argv = ["train", "--out", run, "--config", str(model), "--data", text_file, "--context", "64", "--steps", "3"]
     message = _error([*argv, "--batch-size", "4", "--no-progress"], capsys)
-    assert "out of memory in the first step (CUDA out of memory. Tried to allocate 2.00 GiB)" in message
-    assert f"use a smaller --batch-size or --context, or --grad-checkpointing. {run} holds no trained step" in message
-    assert message.strip().endswith(f"--out {run}")
+    assert message.startswith(
+        "error: out of memory in the run's first training step (CUDA out of memory. Tried to allocate 2.00 GiB): "
+        "use a smaller --batch-size or --context, --grad-checkpointing, or a smaller model. "
+        f"{run} holds no trained step, so the run can start again there with other settings: --out {run}\n"
+    )
+    with pytest.raises(torch.OutOfMemoryError, match="first training step"):  # from Python: torch's type
+        train(run, settings(text_file, steps=3), CONFIG, progress=False)
     assert checkpoint.load_checkpoint(run)["step"] == 0  # the step-0 checkpoint of batches of 4
     assert main([*argv, "--batch-size", "2", "--no-progress"]) == 0
     assert [r["step"] for r in read_log(run)] == [1, 2, 3]
@@ -471,6 +475,13 @@ def test_a_run_out_of_memory_in_its_first_step_starts_again_smaller(tmp_path, te
     assert checkpoint.load_checkpoint(run, checkpoint.PREVIOUS)["settings"]["batch_size"] == 2  # not the failed start's
     message = _error([*argv, "--batch-size", "4", "--no-progress"], capsys)  # trained: the folder is the run's now
     assert "already holds a run: continue it with --resume" in message
+
+    def no_memory(path):
+        raise MemoryError
+
+    monkeypatch.setattr("dilated_attention.training.trainer.load_corpus", no_memory)
+    message = _error([*argv[:2], str(tmp_path / "other"), *argv[3:]], capsys)  # not in a step: no step advice
+    assert message.startswith("error: out of memory (MemoryError): use smaller sizes (batch, context, model)")
 
 
 def test_a_run_interrupted_in_its_first_step_resumes_to_the_uninterrupted_losses(tmp_path, text_file, monkeypatch):

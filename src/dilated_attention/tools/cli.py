@@ -18,7 +18,7 @@ from ..ops.plan import MODES
 from ..training.commands import add_evaluate, add_generate, add_train
 from ..utils.extras import MissingExtra, require
 from ..utils.files import check_output_file, check_output_folder, fresh_folder, write_results
-from ..utils.memory import check_fits, is_out_of_memory
+from ..utils.memory import OutOfMemory, check_fits, is_out_of_memory
 from . import benchmark
 from .arguments import (
     Parser,
@@ -571,6 +571,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ValueError, TypeError, MissingExtra) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OutOfMemory as exc:  # out of memory where the library knows what to advise
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, MemoryError) as exc:  # memory the sizes asked for and the machine does not have

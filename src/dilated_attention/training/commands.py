@@ -16,7 +16,6 @@ import torch
 from ..models import PRESETS, LongNetConfig
 from ..tools.arguments import device_type, number, seed
 from ..utils.files import check_output_folder
-from ..utils.memory import is_out_of_memory
 from . import checkpoint, run_folder, tasks
 from .run_folder import read_log, read_run_config
 from .settings import AUTOCAST_DTYPES, TrainSettings
@@ -147,16 +146,9 @@ def _cmd_train(args) -> int:
         summary = train(
             run_dir, settings, config, resume=bool(args.resume), device=args.device, progress=not args.no_progress
         )
-    except BaseException as exc:
+    except BaseException:
         if not args.resume and not args.out:
             _remove_if_unused(run_dir)
-        if is_out_of_memory(exc) and os.path.isdir(run_dir) and run_folder.never_started(run_dir):
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise ValueError(
-                f"out of memory in the first step ({first}): use a smaller --batch-size or --context, or "
-                f"--grad-checkpointing. {run_dir} holds no trained step, so the run can start again there with "
-                f"other settings: --out {shlex.quote(run_dir)}"
-            ) from None
         raise
     if int(os.environ.get("RANK", "0")) == 0:
         _report(summary)

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from ..models import LongNetConfig, LongNetLM
 from ..ops import validation
 from ..utils.extras import require
-from ..utils.memory import check_fits
+from ..utils.memory import OutOfMemory, check_fits, is_out_of_memory
 from . import checkpoint, parallel, run_folder, tasks
 from .data import Batches, check_long_enough, evaluation_count, evaluation_starts, load_corpus, windows
 from .settings import AUTOCAST_DTYPES, TrainSettings
@@ -210,7 +210,7 @@ def _check_new_run_folder(run_dir: str) -> None:
 def _train(run_dir, settings, model_config, corpus, resume, place, callback, progress) -> dict:
     """:func:`train` once the settings and the text are known, this process has its
     place and the run its folder."""
-    state = _checked_state(run_dir, model_config, settings) if resume else None
+    state = _checked_state(run_dir, model_config, settings, place) if resume else None
 
     torch.manual_seed(settings.seed)
     model = LongNetLM(model_config).to(place.device)
@@ -304,11 +304,16 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
             inputs, targets = batches.next()
             count = targets.numel()
             lr = optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves it after the step)
-            summed = loss_sum(trained, inputs, targets)
-            (summed * place.loss_weight(count)).backward()
-            place.finish_gradients(model)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-            optimizer.step()
+            try:
+                summed = loss_sum(trained, inputs, targets)
+                (summed * place.loss_weight(count)).backward()
+                place.finish_gradients(model)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+                optimizer.step()
+            except (RuntimeError, MemoryError) as exc:
+                if step == 0 and is_out_of_memory(exc):
+                    raise _first_step_out_of_memory(exc, run_dir) from None
+                raise
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -490,10 +495,12 @@ def _check_split(settings: TrainSettings, place) -> None:
         raise ValueError(f"--context {settings.context} is shorter than the {place.world} sequence shards")
 
 
-def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings) -> dict | None:
+def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings, place) -> dict | None:
     """The checkpoint to resume, checked against the run's configuration and log;
-    ``None`` for a run stopped before its first step ended (it starts from step 0)."""
-    if run_folder.never_started(run_dir):
+    ``None`` for a run stopped before its first step ended (it starts from step 0:
+    rank 0 tells, as it then deletes that start's checkpoint, which the others must
+    not be reading)."""
+    if place.gather(run_folder.never_started(run_dir) if place.is_main else None)[0]:
         _check_model(model_config, settings)
         return None
     state = checkpoint.load_checkpoint(run_dir)
@@ -510,6 +517,17 @@ def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSet
         raise ValueError(f"{run_dir} has done {state['step']} steps already: --steps (the total) must be at least that")
     run_folder.read_log(run_dir)  # a damaged log fails here, on every rank
     return state
+
+
+def _first_step_out_of_memory(exc: BaseException, run_dir: str) -> OutOfMemory:
+    """The error for a run's first training step out of memory: what to change, and
+    that the run folder, which holds no trained step, can take the run again."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return OutOfMemory(
+        f"out of memory in the run's first training step ({first}): use a smaller --batch-size or --context, "
+        f"--grad-checkpointing, or a smaller model. {run_dir} holds no trained step, so the run can start again "
+        f"there with other settings: --out {shlex.quote(run_dir)}"
+    )
 
 
 def _agree(place, flag: bool) -> bool:

@@ -36,3 +36,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     return any(text in str(exc) for text in ("can't allocate memory", "std::bad_alloc", "not enough memory"))
+
+
+class OutOfMemory(torch.OutOfMemoryError):
+    """PyTorch's out-of-memory error with the library's advice as its message (what to
+    change, and what became of the work): the command line prints it as it is."""
