@@ -229,6 +229,14 @@ def test_gradients_reach_the_queries_and_the_new_keys():
     [
         (lambda c: c.attend(*[torch.randn(2, 1, 2, 3)] * 3), "the cache holds 1 sequence, but q has a batch of 2"),
         (lambda c: c.attend(*[torch.randn(1, 1, 3, 3)] * 3), "q must have shape (batch=1, L >= 1, heads=2"),
+        (lambda c: c.attend(*[torch.randn(1, 2, 1, 3)] * 3), "head_dim=3), the (B, L, H, D) layout, got (1, 2, 1, 3)"),
+        (
+            lambda c: c.attend(torch.randn(1, 1, 2, 3), *[torch.randn(1, 1, 1, 3)] * 2),
+            (
+                "k must have shape (batch=1, L >= 1, heads=2, head_dim=3), the (B, L, H, D) layout, got (1, 1, 1, 3) "
+                "(the cache keeps as many key/value heads as query heads"
+            ),
+        ),
         (lambda c: c.attend(*[torch.randn(1, 1, 2, 3, dtype=torch.float64)] * 3), "like the cache"),
         (lambda c: c.attend(torch.randn(1, 2, 2, 3), *[torch.randn(1, 1, 2, 3)] * 2), "q, k, v must have one shape"),
         (lambda c: c.attend(torch.randn(1, 1, 2, 3), *[torch.randn(1, 2, 2, 3)] * 2), "q, k, v must have one shape"),
@@ -427,13 +435,22 @@ def test_a_batch_of_another_size_names_the_caches():
 
     gen = torch.Generator().manual_seed(5)
     fix = (
-        "feed the next positions of every sequence in each call, or first keep only those to continue with "
-        "cache.reorder(indices)"
+        "feed the next positions of every sequence in each call; to continue with other sequences of these, first "
+        "cache.reorder(indices) with indices in [0, 3) (e.g. {}); for new sequences, make a new cache of {} (a "
+        "cache's batch is set when it is made; reset() keeps it)"
     )
-    cache = DilatedKVCache(3, 2, 4, [4, 8], [1, 2])
-    x = torch.randn(2, 1, 2, 4, generator=gen)
-    with pytest.raises(ValueError, match=re.escape("the cache holds 3 sequences, but q has a batch of 2: " + fix)):
-        cache.attend(x, x, x)
+    for kind in (DilatedKVCache, StaticKVCache):
+        for batch, example, indices in (
+            (2, "cache.reorder(torch.arange(2)) keeps the first 2", torch.arange(2)),
+            (5, "cache.reorder(torch.arange(5) % 3) repeats them, as beam search does", torch.arange(5) % 3),
+        ):
+            cache = kind(3, 2, 4, [4, 8], [1, 2])
+            x = torch.randn(batch, 1, 2, 4, generator=gen)
+            message = f"the cache holds 3 sequences, but q has a batch of {batch}: " + fix.format(example, batch)
+            with pytest.raises(ValueError, match=re.escape(message)):
+                cache.attend(x, x, x)
+            cache.reorder(indices)  # the example the message gives
+            assert cache.attend(x, x, x).shape == x.shape
     mha = MultiheadDilatedAttention(8, 2, [4, 8], [1, 2], rotary=RotaryEmbedding(4)).eval()
     with pytest.raises(ValueError, match=re.escape("the cache holds 3 sequences, but query has a batch of 2")):
         mha(torch.randn(2, 5, 8, generator=gen), is_causal=True, cache=mha.new_cache(3))

@@ -54,6 +54,7 @@ What the function does with what ``transformers`` passes:
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -77,6 +78,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 # name -> the options it was registered with
 _REGISTERED: dict[str, dict] = {}
+# Whether a cache layer's lazy_initialization takes the values too (transformers 5.x)
+# or the keys alone (4.x).
+_INITIALIZED_WITH_VALUES = len(inspect.signature(DynamicSlidingWindowLayer.lazy_initialization).parameters) > 2
 
 
 def register(
@@ -126,6 +130,9 @@ class _WindowLayer(DynamicSlidingWindowLayer):
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     _end = 0
     _kept: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Whether the layer keeps every position until a crop (assisted generation; set by
+    # transformers from 5.x on, whose layers set it per instance; 4.x has no such mode).
+    record_past = False
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -155,11 +162,19 @@ class _WindowLayer(DynamicSlidingWindowLayer):
         keys.dilated_finite = self._nonfinite_until <= keys.dilated_first_slot  # type: ignore[attr-defined]
         return keys, values
 
+    def reset(self) -> None:
+        """Drop the kept positions and the buffers, as transformers 5.x's layers do
+        (4.x zeroed them in place, which changed the windows handed out before)."""
+        self.keys = self.values = None
+        self.is_initialized = False
+        self._buffers = self._kept = None
+        super().reset()
+
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept positions and ``key_states, value_states`` ``(B, H_kv, L, D)`` after
         them, as views of the buffers, the new ones written in place."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(*((key_states, value_states) if _INITIALIZED_WITH_VALUES else (key_states,)))
         length = key_states.shape[-2]
         self.cumulative_length += length
         old_keys, old_values = self.keys, self.values

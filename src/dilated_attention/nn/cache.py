@@ -25,10 +25,15 @@ def check_batch(sequences: int, batch: int, name: str) -> None:
     """A ``ValueError`` unless ``batch``, the batch size of ``name``, is ``sequences``,
     the number of sequences a cache holds."""
     if batch != sequences:
+        if batch < sequences:
+            example = f"cache.reorder(torch.arange({batch})) keeps the first {batch}"
+        else:
+            example = f"cache.reorder(torch.arange({batch}) % {sequences}) repeats them, as beam search does"
         raise ValueError(
             f"the cache holds {validation.counted(sequences, 'sequence')}, but {name} has a batch of {batch}: "
-            "feed the next positions of every sequence in each call, or first keep only those to continue with "
-            "cache.reorder(indices) (e.g. cache.reorder(torch.tensor([0, 2])) keeps sequences 0 and 2)"
+            "feed the next positions of every sequence in each call; to continue with other sequences of these, "
+            f"first cache.reorder(indices) with indices in [0, {sequences}) (e.g. {example}); for new sequences, "
+            f"make a new cache of {batch} (a cache's batch is set when it is made; reset() keeps it)"
         )
 
 
@@ -130,10 +135,15 @@ class CacheSettings:
             if t.dim() == 4:
                 check_batch(batch, t.shape[0], name)
             if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (batch, heads, dim) or t.shape[1] < 1:
+                hint = (
+                    " (the cache keeps as many key/value heads as query heads: for grouped-query attention, repeat "
+                    "k and v per query head)"
+                    if name != "q" and t.dim() == 4 and t.shape[2] < heads
+                    else ""
+                )
                 raise ValueError(
-                    f"{name} must have shape (batch={batch}, L >= 1, heads={heads}, head_dim={dim}), "
-                    f"got {tuple(t.shape)} (the cache keeps as many key/value heads as query heads: for "
-                    "grouped-query attention, repeat k and v per query head)"
+                    f"{name} must have shape (batch={batch}, L >= 1, heads={heads}, head_dim={dim}), the (B, L, H, "
+                    f"D) layout, got {tuple(t.shape)}{hint}"
                 )
             if t.dtype != self.dtype or t.device != self.device:
                 raise ValueError(
