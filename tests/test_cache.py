@@ -228,6 +228,7 @@ def test_gradients_reach_the_queries_and_the_new_keys():
     ("call", "fragment"),
     [
         (lambda c: c.attend(*[torch.randn(2, 1, 2, 3)] * 3), "the cache holds 1 sequence, but q has a batch of 2"),
+        (lambda c: c.attend(*[torch.randn(0, 1, 2, 3)] * 3), "q has a batch of 0: each call feeds the next positions"),
         (lambda c: c.attend(*[torch.randn(1, 1, 3, 3)] * 3), "q must have shape (batch=1, L >= 1, heads=2"),
         (lambda c: c.attend(*[torch.randn(1, 2, 1, 3)] * 3), "head_dim=3), the (B, L, H, D) layout, got (1, 2, 1, 3)"),
         (

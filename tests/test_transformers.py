@@ -28,6 +28,7 @@ from transformers import (  # noqa: E402
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager  # noqa: E402
 
@@ -346,6 +347,49 @@ def test_greedy_generation_is_the_full_forward_argmax_and_left_padding_changes_n
         layers = cache.layers
         assert len(layers) == 2 and all(layer.keys.shape[2] == max(BRANCHES["segment_lengths"]) - 1 for layer in layers)
     assert len(ran) >= (2 * 11 if way == "branch-by-branch" else 0)  # both layers, every step after the first
+
+
+def test_a_bounded_cache_filled_under_inference_mode_continues_outside_it():
+    """Buffers made under inference_mode cannot be written outside it: the next step
+    moves the window into new ones, and generation goes on as with the default cache."""
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    tokens = torch.randint(3, 61, (1, 12), generator=torch.Generator().manual_seed(1))
+    options = dict(do_sample=False, pad_token_id=0)
+    ends = {}
+    for name in ("default", "bounded"):
+        cache = DilatedCache(model) if name == "bounded" else None
+        with torch.inference_mode():
+            first = model.generate(tokens, past_key_values=cache, max_new_tokens=3, **options).clone()
+        more = torch.cat([first, torch.tensor([[5, 6]])], 1)
+        with torch.no_grad():
+            ends[name] = model.generate(more, past_key_values=cache, max_new_tokens=6, **options)
+    assert torch.equal(ends["bounded"], ends["default"])
+
+
+@pytest.mark.skipif(
+    not hasattr(DynamicSlidingWindowLayer, "activate_past_recording"),
+    reason="transformers 4.x cannot crop a sliding-window layer past its window (docs/transformers.md)",
+)
+@torch.no_grad()
+def test_after_prompt_lookup_a_reset_cache_keeps_only_its_window_again():
+    """Assisted generation (here prompt lookup) has each layer record every position
+    until it crops, and never turns that off: a reset cache is bounded again."""
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    gen = torch.Generator().manual_seed(5)
+    repeated = torch.randint(3, 61, (6,), generator=gen).repeat(3).view(1, -1)
+    options = dict(do_sample=False, pad_token_id=0)
+    cache = DilatedCache(model)
+    looked_up = model.generate(
+        repeated, past_key_values=cache, prompt_lookup_num_tokens=3, max_new_tokens=10, **options
+    )
+    assert torch.equal(looked_up, model.generate(repeated, max_new_tokens=10, **options))
+    cache.reset()
+    prompt = torch.randint(3, 61, (1, 9), generator=gen)
+    reused = model.generate(prompt, past_key_values=cache, max_new_tokens=60, **options)
+    assert torch.equal(reused, model.generate(prompt, max_new_tokens=60, **options))
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [7, 7]  # max(segment_lengths) - 1
 
 
 @torch.no_grad()
@@ -804,8 +848,6 @@ def test_the_bounded_cache_appends_in_place_as_transformers_concatenates(data):
     returns what transformers' sliding-window layer returns, chunk after chunk, with beam
     reorders, batch selections, crops and resets in between; what it returned earlier
     never changes; and its buffers stay within half as many slots again as a call returns."""
-    from transformers.cache_utils import DynamicSlidingWindowLayer
-
     from dilated_attention.integrations.transformers import _WindowLayer
 
     window = data.draw(st.integers(2, 12))

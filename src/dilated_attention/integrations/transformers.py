@@ -164,10 +164,13 @@ class _WindowLayer(DynamicSlidingWindowLayer):
 
     def reset(self) -> None:
         """Drop the kept positions and the buffers, as transformers 5.x's layers do
-        (4.x zeroed them in place, which changed the windows handed out before)."""
+        (4.x zeroed them in place, which changed the windows handed out before), and
+        keep only the window again: assisted generation turns on ``record_past`` and
+        never off."""
         self.keys = self.values = None
         self.is_initialized = False
         self._buffers = self._kept = None
+        self.record_past = False
         super().reset()
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +184,9 @@ class _WindowLayer(DynamicSlidingWindowLayer):
         assert old_keys is not None and old_values is not None  # set by lazy_initialization
         kept = old_keys.shape[-2] if old_keys.dim() == 4 else 0  # transformers starts from an empty 1-D tensor
         ours = self._kept is not None and old_keys is self._kept[0] and old_values is self._kept[1]
-        if self._buffers is None or not ours or self._end + length > self._buffers[0].shape[-2]:
+        # buffers made in (or out of) inference mode cannot be written out of (or in) it
+        stale = self._buffers is not None and self._buffers[0].is_inference() != torch.is_inference_mode_enabled()
+        if self._buffers is None or not ours or stale or self._end + length > self._buffers[0].shape[-2]:
             need = kept + length
             shape = (*key_states.shape[:2], need + need // 2 + 1, key_states.shape[-1])
             fresh = [torch.empty(shape, dtype=new.dtype, device=new.device) for new in (key_states, value_states)]

@@ -24,6 +24,11 @@ from ..ops.plan import branch_table, window_start_needed
 def check_batch(sequences: int, batch: int, name: str) -> None:
     """A ``ValueError`` unless ``batch``, the batch size of ``name``, is ``sequences``,
     the number of sequences a cache holds."""
+    if batch == 0:
+        raise ValueError(
+            f"{name} has a batch of 0: each call feeds the next positions of every sequence the cache holds "
+            f"({sequences})"
+        )
     if batch != sequences:
         if batch < sequences:
             example = f"cache.reorder(torch.arange({batch})) keeps the first {batch}"
