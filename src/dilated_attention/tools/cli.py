@@ -18,7 +18,7 @@ from ..ops.plan import MODES
 from ..training.commands import add_evaluate, add_generate, add_train
 from ..utils.extras import MissingExtra, require
 from ..utils.files import check_output_file, check_output_folder, fresh_folder, write_results
-from ..utils.memory import OutOfMemory, check_fits, is_out_of_memory
+from ..utils.memory import OutOfMemory, check_fits, first_line, is_out_of_memory
 from . import benchmark
 from .arguments import (
     Parser,
@@ -570,17 +570,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, TypeError, MissingExtra) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OutOfMemory as exc:  # out of memory where the library knows what to advise
+    except (ValueError, TypeError, MissingExtra, OutOfMemory) as exc:  # OutOfMemory: the library's advice
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, MemoryError) as exc:  # memory the sizes asked for and the machine does not have
         if not is_out_of_memory(exc):
             raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        print(f"error: out of memory ({first}): use smaller sizes (batch, context, model)", file=sys.stderr)
+        print(f"error: out of memory ({first_line(exc)}): use smaller sizes (batch, context, model)", file=sys.stderr)
         return 2
     except OSError as exc:  # a file or folder the command reads or writes, or the output's reader gone
         if isinstance(exc, BrokenPipeError) and _stdout_is_broken():  # `... | head`: stop quietly

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from ..models import LongNetConfig, LongNetLM
 from ..ops import validation
 from ..utils.extras import require
-from ..utils.memory import OutOfMemory, check_fits, is_out_of_memory
+from ..utils.memory import OutOfMemory, check_fits, first_line, is_out_of_memory
 from . import checkpoint, parallel, run_folder, tasks
 from .data import Batches, check_long_enough, evaluation_count, evaluation_starts, load_corpus, windows
 from .settings import AUTOCAST_DTYPES, TrainSettings
@@ -522,9 +522,8 @@ def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSet
 def _first_step_out_of_memory(exc: BaseException, run_dir: str) -> OutOfMemory:
     """The error for a run's first training step out of memory: what to change, and
     that the run folder, which holds no trained step, can take the run again."""
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     return OutOfMemory(
-        f"out of memory in the run's first training step ({first}): use a smaller --batch-size or --context, "
+        f"out of memory in the run's first training step ({first_line(exc)}): use a smaller --batch-size or --context, "
         f"--grad-checkpointing, or a smaller model. {run_dir} holds no trained step, so the run can start again "
         f"there with other settings: --out {shlex.quote(run_dir)}"
     )

@@ -38,6 +38,12 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return any(text in str(exc) for text in ("can't allocate memory", "std::bad_alloc", "not enough memory"))
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (at most 300 characters), or its type's name
+    where it has none: what an out-of-memory error says, in one line."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
 class OutOfMemory(torch.OutOfMemoryError):
     """PyTorch's out-of-memory error with the library's advice as its message (what to
     change, and what became of the work): the command line prints it as it is."""
