@@ -28,6 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dilated_attention.ops import ring_decode as rd
 from dilated_attention.ops import triton_kernels as tk
 
 # Pointer arguments by name: their element type (the input dtype for "{dtype}").
@@ -49,6 +50,20 @@ POINTERS = {
     "RATE": "i64",
     "OFFSET": "i32",
 }
+# The caches' decode kernels (ring_decode): their own pointers, offsets as int64.
+RING_POINTERS = {
+    **POINTERS,
+    "NEW_K": "{dtype}",
+    "NEW_V": "{dtype}",
+    "NEXT": "i64",
+    "KEY_POS": "i64",
+    "BAD": "u8",
+    "OFFSET": "i64",
+    "PART_M": "fp32",
+    "PART_L": "fp32",
+    "PART_O": "fp32",
+    "PART_FLAGS": "i32",
+}
 FLOATS = {"scale_log2", "scale", "out_scale"}
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -56,12 +71,13 @@ DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 def signature(kernel, dtype: str, constexprs: dict) -> dict:
     """Triton's signature of ``kernel``: pointer and scalar types, ``constexpr`` for
     the compile-time arguments."""
+    pointers = RING_POINTERS if kernel in (rd._append_kernel, rd._ring_kernel, rd._combine_kernel) else POINTERS
     types = {}
     for name in kernel.arg_names:
         if name in constexprs:
             types[name] = "constexpr"
-        elif name in POINTERS:
-            types[name] = "*" + POINTERS[name].format(dtype=dtype)
+        elif name in pointers:
+            types[name] = "*" + pointers[name].format(dtype=dtype)
         else:
             types[name] = "fp32" if name in FLOATS else "i32"
     return types
@@ -69,8 +85,9 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict:
 
 def variants(head_dims, dtypes, all_configs: bool = False, quick: bool = False):
     """``(name, kernel, dtype, constexprs, num_warps, num_stages)`` of every kernel and
-    tile configuration the library's autotuner may launch on a GPU, per head dim and
-    dtype (``quick``: causal without padding or checks only)."""
+    tile configuration the library's autotuner may launch on a GPU, and of the
+    caches' decode kernels, per head dim and dtype (``quick``: causal engine calls
+    without padding or checks only)."""
     flag_sets = [(True, False, False)] if quick else list(itertools.product((False, True), repeat=3))
     for head_dim, dtype, (causal, padding, check) in itertools.product(head_dims, dtypes, flag_sets):
         dim_block = max(16, triton.next_power_of_2(head_dim))
@@ -99,8 +116,17 @@ def variants(head_dims, dtypes, all_configs: bool = False, quick: bool = False):
                 constexprs = dict(flags, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
                 yield f"{name}-{tag}-{block_m}x{block_n}w{warps}s{stages}", kernel, dtype, constexprs, warps, stages
     for head_dim, dtype in itertools.product(head_dims, dtypes):
-        constexprs = dict(DIM_BLOCK=max(16, triton.next_power_of_2(head_dim)), BLOCK=16, HAS_DLSE=True)
+        dim_block = max(16, triton.next_power_of_2(head_dim))
+        constexprs = dict(DIM_BLOCK=dim_block, BLOCK=16, HAS_DLSE=True)
         yield f"delta-D{head_dim}-{dtype}", tk._delta_kernel, dtype, constexprs, 4, 1
+        # the caches' decode step, with Triton's default warps and stages (as launched)
+        yield f"ring-append-D{head_dim}-{dtype}", rd._append_kernel, dtype, dict(DIM_BLOCK=dim_block), 4, 3
+        for consecutive in (False, True):
+            constexprs = dict(BLOCK=rd.key_block(dim_block), DIM_BLOCK=dim_block, CONSECUTIVE=consecutive)
+            name = f"ring-{'window' if consecutive else 'ring'}-D{head_dim}-{dtype}"
+            yield name, rd._ring_kernel, dtype, constexprs, 4, 3
+        constexprs = dict(SPLIT_BLOCK=rd.MAX_SPLITS, DIM_BLOCK=dim_block)
+        yield f"ring-combine-D{head_dim}-{dtype}", rd._combine_kernel, dtype, constexprs, 4, 3
 
 
 def resources(cubin: bytes) -> dict:

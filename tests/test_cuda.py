@@ -202,6 +202,25 @@ def test_dilated_cache_kernel_on_cuda_matches_the_reference(cfg, dtype, data):
     kernel_against_reference(data, cfg, dtype, "cuda", kind=DilatedKVCache)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_dilated_cache_steps_never_wait_for_the_device():
+    """Once a cache has taken its first step, its fused steps (a NaN among the keys
+    included) make no call that waits for the GPU: CUDA's sync check raises at any."""
+    cache = DilatedKVCache(2, 4, 64, [8, 16], [1, 2], start=torch.tensor([0, -3]), dtype=torch.bfloat16, device="cuda")
+    tensors = [torch.randn(2, 30, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    tensors[1][0, 6, 2, 5] = float("nan")
+    cache.attend(*(t[:, :2] for t in tensors))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [cache.attend(*(t[:, i : i + 1] for t in tensors)) for i in range(2, 30)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = torch.cat(outs, 1).cpu()
+    ref, _ = reference_dilated_attention(*(t[:1].cpu().double() for t in tensors), [8, 16], [1, 2], is_causal=True)
+    assert torch.equal(out[:1].isnan(), ref[:, 2:].isnan()) and out[:1].isnan().any()
+    assert max_relative_error(out[:1], ref[:, 2:]) <= TOLERANCES[torch.bfloat16]
+
+
 def test_a_static_cache_step_replays_from_a_cuda_graph():
     """The static cache's step captured once in a CUDA graph, replayed per token with
     new inputs copied in: the eager cache's outputs."""

@@ -140,6 +140,104 @@ def test_decode_steps_through_the_cache_run_the_fused_kernels(cfg, data):
         assert torch.all(out[row, :pad] == 0)
 
 
+@FEW
+@given(configs(max_len=48, max_heads=3), st.data())
+def test_fused_cache_steps_find_non_finite_values_themselves(cfg, data):
+    """NaN and infinities anywhere (padding included), fed by fused steps of a few
+    rows, which read them unchecked, and by chunks of more rows than a fused step
+    takes, which run the engine on the flags of every key before them: NaN in exactly
+    the rows the reference says, every other row the reference's."""
+    cfg = dict(cfg, is_causal=True, masked=False, memory="contiguous")
+    inputs, attn = split_config(cfg)
+    tensors, _, _ = random_inputs(dtype=torch.float32, **inputs)
+    tensors = [t.detach().clone() for t in tensors]
+    poison(data, tensors)
+    batch, total = cfg["batch"], cfg["seq_len"]
+    pads = [data.draw(st.integers(0, total - 1)) for _ in range(batch)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(fused.KERNEL_ENV, "triton")  # read when the cache is made
+        cache = cache_from_config(DilatedKVCache, cfg, attn, pads)
+    sizes = []
+    while sum(sizes) < total:
+        sizes.append(min(total - sum(sizes), data.draw(st.sampled_from([1, 2, 17, 20]))))
+    outs, at = [], 0
+    for size in sizes:
+        outs.append(cache.attend(*(t[:, at : at + size] for t in tensors)))
+        at += size
+    out = torch.cat(outs, 1)
+    for row, pad in enumerate(pads):
+        ref, _ = reference_dilated_attention(*(t[row : row + 1, pad:].double() for t in tensors), **attn)
+        assert torch.equal(out[row : row + 1, pad:].isnan(), ref.isnan())
+        assert max_relative_error(out[row : row + 1, pad:], ref) <= tolerance(torch.float32, attn["softmax_scale"])
+        assert torch.all(out[row, :pad] == 0)
+
+
+def test_infinities_of_fused_steps_reach_a_later_chunk_as_nan():
+    """An infinite key element and an infinite value element fed by fused steps (not
+    checked as they arrive) are flagged before a longer chunk runs the engine over
+    them: the rows they reach are NaN, as the definition says (an infinity counts as
+    NaN, where a softmax alone could give a finite or infinite row)."""
+    segs, rates = [32, 64], [1, 2]
+    tensors = [torch.randn(1, 40, 2, 8) for _ in range(3)]
+    tensors[1][0, 3, 0, 1] = float("inf")
+    tensors[2][0, 5, 1, 2] = float("-inf")
+    cache = DilatedKVCache(1, 2, 8, segs, rates, kernel="triton")
+    sizes = [1] * 8 + [20] + [1] * 12
+    outs, at = [], 0
+    for size in sizes:
+        outs.append(cache.attend(*(t[:, at : at + size] for t in tensors)))
+        at += size
+    out = torch.cat(outs, 1)
+    ref, _ = reference_dilated_attention(*(t.double() for t in tensors), segs, rates, is_causal=True)
+    assert torch.equal(out.isnan(), ref.isnan()) and ref[:, 8:28].isnan().any()
+    assert max_relative_error(out, ref) <= TOLERANCES[torch.float32]
+
+
+def test_fused_cache_steps_wait_for_nothing_on_the_host():
+    """After its first step, a fused step of the cache makes no operation that copies
+    to or from the host (``.item()``, a tensor made from Python values): the keys'
+    NaN and infinities are the launches' to find, the positions stay on the device."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    from dilated_attention.ops import ring_decode
+
+    class HostTransfers(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class OutsideTheMode:  # a kernel whose launches run outside the mode: the interpreter's copies are not the step's
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                with _disable_current_modes():
+                    return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    cache = DilatedKVCache(2, 4, 16, [8, 16], [1, 2], start=torch.tensor([0, -3]), kernel="triton")
+    tensors = [torch.randn(2, 30, 4, 16) for _ in range(3)]
+    tensors[1][0, 6, 2, 5] = float("nan")
+    cache.attend(*(t[:, :2] for t in tensors))
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("_ring_kernel", "_combine_kernel"):
+            patch.setattr(ring_decode, name, OutsideTheMode(getattr(ring_decode, name)))
+        with HostTransfers() as mode:
+            outs = [cache.attend(*(t[:, i : i + 1] for t in tensors)) for i in range(2, 30)]
+    assert mode.seen == []
+    out = torch.cat(outs, 1)
+    ref, _ = reference_dilated_attention(*(t[:1].double() for t in tensors), [8, 16], [1, 2], is_causal=True)
+    assert torch.equal(out[:1].isnan(), ref[:, 2:].isnan()) and out[:1].isnan().any()
+    assert max_relative_error(out[:1], ref[:, 2:]) <= TOLERANCES[torch.float32]
+
+
 def test_the_interpreter_really_runs_the_triton_kernels(monkeypatch):
     """Every pass of a forward and backward is a launch of the Triton kernels."""
     kernels = fused.kernels()
@@ -290,7 +388,7 @@ def test_the_kernels_compile_for_the_gpus_they_target():
         env=env,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "5 of 5 variants compiled" in result.stdout
+    assert "9 of 9 variants compiled" in result.stdout
 
 
 def test_compiled_calls_take_the_engine_path():

@@ -258,11 +258,13 @@ class DilatedKVCache(CacheSettings):
 
     ``kernel``: ``"auto"`` (the default, or ``$DILATED_ATTENTION_KERNEL`` when the
     cache is made) runs a step of a few rows (at most 16 per sequence, nothing to
-    differentiate, no NaN or infinity) on CUDA as two fused Triton launches over the
-    window of keys (:mod:`dilated_attention.ops.ring_decode`: one for every row,
-    whatever its position, and one to merge its splits), and on the CPU as the lean
-    path's few PyTorch operations (:mod:`dilated_attention.ops.decode`); longer
-    chunks, and steps with gradients or non-finite values, run the engine.
+    differentiate) on CUDA as two fused Triton launches over the window of keys
+    (:mod:`dilated_attention.ops.ring_decode`: one for every row, whatever its
+    position, and one to merge its splits; they find NaN and infinity themselves, and
+    nothing in such a step waits for the device), and on the CPU, where no value is
+    NaN or infinite, as the lean path's few PyTorch operations
+    (:mod:`dilated_attention.ops.decode`); longer chunks, and steps with gradients or
+    (on the CPU) non-finite values, run the engine.
     ``"triton"`` asks for the launches (on the CPU in Triton's interpreter) and the
     engine's Triton kernels, ``"torch"`` for PyTorch's operations and kernels. All
     compute the same rows.
@@ -323,6 +325,10 @@ class DilatedKVCache(CacheSettings):
             None  # (B, slots, H) bool: key rows holding NaN or infinity, once one was appended
         )
         self._end = 0  # buffer slots [end - kept, end) hold a sequence's kept positions
+        # The last slots the fused launches appended unchecked (they read NaN and infinity
+        # themselves); checked before another path reads them.
+        self._unchecked = 0
+        self._queries: torch.Tensor | None = None  # (B,) int64 on the device: the rows' positions
 
     def _starts(self, start) -> list[int]:
         return check_starts(start, self.shape[0], self.segment_lengths)
@@ -376,15 +382,16 @@ class DilatedKVCache(CacheSettings):
         index = torch.tensor(sources, device=self.device)
         self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
         self._bad = None if self._bad is None else self._bad.index_select(0, index)
+        self._queries = None
         self._position = [self._position[source] for source in sources]
         self._stored_from = [self._stored_from[source] for source in sources]
         self._count_kept()
         self.shape = (len(rows), *self.shape[1:])
 
-    def _append(self, k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None) -> int:
+    def _append(self, k: torch.Tensor, v: torch.Tensor, flags: torch.Tensor | None, checked: bool = True) -> int:
         """Write ``k, v`` ``(B, L, H, D)`` after the kept positions (``flags``: their
-        non-finite rows, ``(B, L, H)``, or ``None``: none); return the slot of their
-        first row."""
+        non-finite rows, ``(B, L, H)``, or ``None``: none; ``checked=False``: not known,
+        see :meth:`_check_appended`); return the slot of their first row."""
         length = k.shape[1]
         kept = self._kept
         if flags is not None and self._bad is None:
@@ -401,6 +408,7 @@ class DilatedKVCache(CacheSettings):
             self._k, self._v = (_moved(t, capacity, kept_slots, dim=2) for t in (self._k, self._v))
             self._bad = None if self._bad is None else _moved(self._bad, capacity, kept_slots, dim=1)
             self._end = kept
+            self._unchecked = min(self._unchecked, kept)
         first = self._end
         k, v = (k.detach() if k.requires_grad else k), (v.detach() if v.requires_grad else v)
         if length == 1:  # a decode step: its one row's slot
@@ -412,7 +420,22 @@ class DilatedKVCache(CacheSettings):
         if self._bad is not None:
             self._bad[:, first : first + length] = False if flags is None else flags
         self._end = first + length
+        self._unchecked = 0 if checked else self._unchecked + length
         return first
+
+    def _check_appended(self) -> None:
+        """Flag the non-finite rows among the slots the fused launches appended
+        unchecked, before a path that trusts the flags reads them (one scan, once)."""
+        if self._unchecked:
+            slots = slice(self._end - self._unchecked, self._end)
+            flags = nonfinite_rows(*(t[:, :, slots].transpose(1, 2) for t in (self._k, self._v)))
+            if flags is not None:
+                if self._bad is None:
+                    self._bad = torch.zeros(
+                        self._k.shape[0], self._k.shape[2], self._k.shape[1], dtype=torch.bool, device=self.device
+                    )
+                self._bad[:, slots] = flags
+            self._unchecked = 0
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The causal dilated attention output ``(B, L, H, D)`` of the next ``L``
@@ -422,20 +445,28 @@ class DilatedKVCache(CacheSettings):
             self._check_inputs(q, k, v)  # raises, saying what is wrong
         if self._rows is not None:  # into the rows' order
             q, k, v = (t.index_select(0, self._rows) for t in (q, k, v))
-        buffers = (self._k, self._v, self._bad, self._end)
+        buffers = (self._k, self._v, self._bad, self._end, self._unchecked)
         try:
             path = self._step_path(q, k, v)
-            if path is not None:
-                out = self._attend_window(q, self._append(k, v, None), fused=path == "triton")
+            if path == "triton":  # non-finite values are the launches' to find: nothing waits for the device
+                out = self._attend_window_fused(q, self._append(k, v, None, checked=False))
             else:
-                out = self._attend_appended(q, k, v, self._append(k, v, nonfinite_rows(k, v)))
+                self._check_appended()
+                if path == "torch":
+                    out = self._attend_window(q, self._append(k, v, None))
+                else:
+                    out = self._attend_appended(q, k, v, self._append(k, v, nonfinite_rows(k, v)))
         except BaseException:  # an error or an interrupt: undo the append, so that a retry is exact
-            self._k, self._v, self._bad, self._end = buffers
+            self._k, self._v, self._bad, self._end, self._unchecked = buffers
             raise
         if self._sequences is not None:  # back into the sequences' order
             out = out.index_select(0, self._sequences)
         length = q.shape[1]
         self._position = [position + length for position in self._position]
+        if path == "triton" and self._queries is not None:
+            self._queries += length  # on the device, as the launches read it
+        else:
+            self._queries = None
         self._kept += length
         self._until_window_moves -= length
         if self._until_window_moves <= 0:
@@ -457,22 +488,20 @@ class DilatedKVCache(CacheSettings):
         )
 
     def _step_path(self, q, k, v) -> str | None:
-        """How this call runs when it takes a few rows, nothing to differentiate and no
-        NaN or infinity anywhere: ``"triton"``, the fused launches over the window of
-        keys (:meth:`_takes_kernel`: on CUDA by default), or ``"torch"``, the lean
-        path's PyTorch operations (:mod:`dilated_attention.ops.decode`, on the CPU);
-        else ``None``: the engine's blocks, group by group."""
-        if q.shape[1] > decode.MAX_ROWS or self._bad is not None or torch.compiler.is_compiling():
+        """How this call runs when it takes a few rows and nothing to differentiate:
+        ``"triton"``, the fused launches over the window of keys (:meth:`_takes_kernel`:
+        on CUDA by default; they find NaN and infinity themselves, so that nothing
+        waits for the device), or, with no NaN or infinity anywhere, ``"torch"``, the
+        lean path's PyTorch operations (:mod:`dilated_attention.ops.decode`, on the
+        CPU); else ``None``: the engine's blocks, group by group."""
+        if q.shape[1] > decode.MAX_ROWS or torch.compiler.is_compiling():
             return None
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return None
         if self._takes_kernel(q):  # (which raises where "triton" is asked for and cannot run)
-            path = "triton"
-        elif self.device.type == "cpu":
-            path = "torch"
-        else:
-            return None
-        return path if all_finite(q, k, v) else None
+            return "triton"
+        clean = self._bad is None and not self._unchecked
+        return "torch" if self.device.type == "cpu" and clean and all_finite(q, k, v) else None
 
     @functools.cached_property
     def _decode_tables(self) -> decode.DecodeTables:
@@ -481,17 +510,19 @@ class DilatedKVCache(CacheSettings):
             self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets, self.device
         )
 
-    def _attend_window(self, q, first_slot: int, fused: bool) -> torch.Tensor:
+    def _window_width(self, rows: int, stop: int) -> int:
+        """How many slots before ``stop`` the next ``rows`` queries of every row reach
+        back over (the positions are not yet advanced)."""
+        return decode.window_width(self._decode_tables, self._position, rows, stop)
+
+    def _attend_window(self, q, first_slot: int) -> torch.Tensor:
         """The output ``(B, L, H, D)`` of ``q`` over the window of keys its rows reach, once
         its keys are in the buffers from slot ``first_slot`` on (the positions are not
-        yet advanced): by the fused launches (``fused``) or the lean path."""
+        yet advanced), by the lean path."""
         rows = q.shape[1]
         stop = first_slot + rows
         tables = self._decode_tables
-        # the keys every query reaches back to, and no further
-        width = decode.window_width(tables, self._position, rows, stop)
-        if fused:
-            return self._attend_window_fused(q, stop - width, width)
+        width = self._window_width(rows, stop)  # the keys every query reaches back to, and no further
         out, _ = decode.attend_step(
             q,
             self._k.narrow(2, stop - width, width),
@@ -503,30 +534,42 @@ class DilatedKVCache(CacheSettings):
         )
         return out
 
-    def _attend_window_fused(self, q, first_slot: int, width: int) -> torch.Tensor:
+    def _attend_window_fused(self, q, first_slot: int) -> torch.Tensor:
         """:meth:`_attend_window` by the fused launches of
-        :mod:`dilated_attention.ops.ring_decode` over the buffers' slots ``[first_slot,
-        first_slot + width)``: one launch for every row whatever its position (the
-        slots' positions per row, on the device), and one to merge the splits."""
+        :mod:`dilated_attention.ops.ring_decode`: one for every row whatever its
+        position, and one to merge the splits. The rows' positions stay on the device
+        from step to step, so that nothing is copied to or from it."""
         from ..ops import ring_decode
 
         rows = q.shape[1]
-        queries = torch.tensor(self._position, dtype=torch.int64, device=self.device)  # each row's first query
-        key_positions = queries[:, None] + torch.arange(rows - width, rows, device=self.device)  # (B, width)
-        window = slice(first_slot, first_slot + width)
-        no_flags = torch.zeros((), dtype=torch.bool, device=self.device).expand(self.shape[0], self.shape[1], width)
+        stop = first_slot + rows
+        width = self._window_width(rows, stop)
+        window = slice(stop - width, stop)
+        if self._queries is None:
+            with torch.inference_mode(False):  # advanced in place, in and out of inference mode
+                self._queries = torch.tensor(self._position, dtype=torch.int64, device=self.device)
+        if self._bad is None:
+            flags = self._no_flags.expand(self.shape[0], self.shape[1], width)
+        else:
+            flags = self._bad[:, window].transpose(1, 2)
         return ring_decode.attend(
             q,
             self._k[:, :, window],
             self._v[:, :, window],
-            key_positions,
-            no_flags,
-            queries,
+            rows - width,  # slot j of row b: position queries[b] + rows - width + j
+            flags,
+            self._queries,
             self._ring_branches,
             self._kernel_scale,
             self._decode_tables.out_scale,
             ring_decode.splits_for(self.device, q.shape[0] * rows * self.shape[1], width),
         )
+
+    @functools.cached_property
+    def _no_flags(self) -> torch.Tensor:
+        """A 0-dim ``False`` on the device, expanded as the flags of keys none of which is flagged."""
+        with torch.inference_mode(False):
+            return torch.zeros((), dtype=torch.bool, device=self.device)
 
     def _attend_appended(self, q, k, v, first_slot: int) -> torch.Tensor:
         """The output ``(B, L, H, D)`` of ``q`` once ``k, v`` are in the buffers from slot

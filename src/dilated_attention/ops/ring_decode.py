@@ -1,7 +1,9 @@
-"""Fused Triton kernels of :class:`dilated_attention.StaticKVCache`'s step: a ring of
-keys attended by a few query rows, every branch in one pass, in three launches whose
-arguments never change from step to step (positions are read on the device), so that
-a step replays from a CUDA graph.
+"""Fused Triton kernels of the caches' decode steps: a ring of keys attended by a few
+query rows, every branch in one pass. :class:`dilated_attention.StaticKVCache`'s step
+is three launches whose arguments never change from step to step (positions are read
+on the device), so that a step replays from a CUDA graph;
+:class:`dilated_attention.DilatedKVCache`'s is the last two over its window of
+consecutive positions. Neither waits for the device.
 
 - ``_append_kernel``: writes the step's keys and values into their ring slots (a row
   holding NaN or infinity as zeros, flagged), with their positions.
@@ -10,7 +12,9 @@ a step replays from a CUDA graph.
   fills the GPU). For each key it counts the branches that select it for that query
   and head, and runs an online softmax in which a key counts that many times (the
   definition's ``log(count)`` bias, exactly): partial maxima, sums and outputs in
-  float32, and two flags (some key attended; a non-finite query or attended key).
+  float32, and two flags (some key attended; a non-finite query or attended key, as
+  flagged or as read: a key row holding NaN or infinity need not be flagged, and
+  never reaches a row that does not attend to it).
 - ``_combine_kernel``: merges the splits of a row, applies the definition's rules (a
   row with no key outputs 0, one reached by a non-finite value NaN) and the output
   scale, and writes the output in the cache's dtype.
@@ -32,8 +36,11 @@ import triton.language as tl
 
 from .intmath import ceil_div
 
-# Keys a program reads per iteration.
+# Keys a program reads per iteration at most, and the (key, head-dim) elements of one
+# such tile: 64 x 64 keeps the ring kernel's tiles in registers (sm_90, 4 warps: no
+# spills; benchmarks/triton_compile.py reports them), so wider heads read fewer keys.
 BLOCK_N = 64
+TILE_ELEMENTS = 64 * 64
 # Programs a step aims for on a GPU, per multiprocessor (splits of the ring add up to it).
 PROGRAMS_PER_SM = 4
 # The most splits of one row: the merge holds them all in one tile (splits x head dim floats).
@@ -77,17 +84,19 @@ def _append_kernel(
 def _ring_kernel(
     Q, K, V, NEXT, KEY_POS, BAD, SEG, RATE, OFFSET,
     PART_M, PART_L, PART_O, PART_FLAGS,
-    scale, rows, heads, capacity, dim, branches, keys_per_split, splits,
+    scale, rows, heads, capacity, dim, branches, keys_per_split, splits, key_shift,
     s_qb, s_ql, s_qh,  # queries (B, L, H, D), last dim contiguous
     s_kb, s_kh,  # keys and values (B, H, C, D), a slot's D elements contiguous
     s_pb,  # key positions (B, C), slots contiguous
     s_fb, s_fh, s_fc,  # non-finite flags (B, H, C)
-    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, CONSECUTIVE: tl.constexpr,
 ):  # fmt: skip
     """Program ``(row, split)``, ``row = (b * heads + h) * rows + l``: the online softmax of
     query row ``l`` of head ``h`` of sequence ``b`` over ring slots ``[split *
     keys_per_split, (split + 1) * keys_per_split)``, each key weighted by the number of
-    branches that select it, into the row's partials of that split."""
+    branches that select it, into the row's partials of that split. ``CONSECUTIVE``:
+    slot ``n`` of sequence ``b`` holds position ``next[b] + key_shift + n`` (a window;
+    ``KEY_POS`` unread)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     l = row % rows  # noqa: E741
@@ -110,7 +119,10 @@ def _ring_kernel(
     for start in range(first, last, BLOCK):
         n = start + tl.arange(0, BLOCK)
         inside = n < last
-        key = tl.load(KEY_POS + b.to(tl.int64) * s_pb + n, mask=inside, other=-1)
+        if CONSECUTIVE:
+            key = tl.where(inside, query - l + key_shift + n, -1)
+        else:
+            key = tl.load(KEY_POS + b.to(tl.int64) * s_pb + n, mask=inside, other=-1)
         count = tl.zeros([BLOCK], dtype=tl.float32)
         for g in range(branches):
             w = tl.load(SEG + g)
@@ -125,17 +137,25 @@ def _ring_kernel(
         cell_ok = inside[:, None] & (d[None, :] < dim)
         k = tl.load(K + cells, mask=cell_ok, other=0.0)
         scores = tl.where(counted, tl.sum(k.to(tl.float32) * q[None, :], 1) * scale, float("-inf"))
+        # An attended key row holding NaN or an infinity gives a NaN or infinite score (q
+        # is finite, or its row is flagged): -inf is found here, NaN and +inf leave the
+        # output NaN (found below). So does a score that overflows (outside the definition).
+        bad = (tl.load(BAD + flags + n * s_fc, mask=inside, other=0) != 0) | (scores == float("-inf"))
+        some = tl.maximum(some, tl.max(counted.to(tl.int32), 0))
+        reached = tl.maximum(reached, tl.max((counted & bad).to(tl.int32), 0))
         m_new = tl.maximum(m, tl.max(scores, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.where(counted, count * tl.exp(scores - m_safe), 0.0)
         alpha = tl.exp(m - m_safe)
-        v = tl.load(V + cells, mask=cell_ok, other=0.0)
+        # the value rows of keys not attended to are never read (0 * NaN is NaN)
+        v = tl.load(V + cells, mask=cell_ok & counted[:, None], other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
         total = total * alpha + tl.sum(p, 0)
         m = m_new
-        bad = tl.load(BAD + flags + n * s_fc, mask=inside, other=0)
-        some = tl.maximum(some, tl.max(counted.to(tl.int32), 0))
-        reached = tl.maximum(reached, tl.max((counted & (bad != 0)).to(tl.int32), 0))
+    # An attended value row holding NaN or an infinity leaves the output non-finite (p > 0
+    # makes it infinite or NaN, p = 0 NaN, and either survives the rescaling), as does a
+    # NaN or +inf score.
+    reached = tl.maximum(reached, tl.max(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32), 0))
     part = row.to(tl.int64) * splits + split
     tl.store(PART_M + part, m)
     tl.store(PART_L + part, total)
@@ -193,6 +213,11 @@ def _block(size: int) -> int:
     return max(16, triton.next_power_of_2(size))
 
 
+def key_block(dim_block: int) -> int:
+    """Keys the ring kernel reads per iteration for heads padded to ``dim_block``."""
+    return max(16, min(BLOCK_N, TILE_ELEMENTS // dim_block))
+
+
 def append(k_ring, v_ring, key_positions, bad, next_positions, k, v) -> None:
     """Write ``k, v`` ``(B, L, H, D)`` into the rings ``(B, H, C, D)`` at the slots of
     positions ``next_positions[b] + l`` (non-finite rows as zeros, flagged in ``bad``
@@ -213,30 +238,38 @@ def attend(q, k_ring, v_ring, key_positions, bad, next_positions, branches, scal
     + l`` over the rings ``(B, H, C, D)`` (any strides but a slot's ``D`` contiguous
     elements; ``k_ring`` and ``v_ring`` alike), whose slots hold the keys at
     ``key_positions`` ``(B, C)`` (slots contiguous; a negative position never counts),
-    flagged non-finite in ``bad`` ``(B, H, C)`` bool (any strides); ``branches`` =
-    ``(segment lengths (G,), rates (G,), offsets (G, H))`` int64 on the device (offset
-    -1: the head does not run the branch)."""
+    or, where ``key_positions`` is an int ``s``, slot ``j`` of row ``b`` the key at
+    ``next_positions[b] + s + j`` (a window of consecutive positions). ``bad`` ``(B, H,
+    C)`` bool (any strides) flags key rows as non-finite; rows holding NaN or infinity
+    count as flagged whether or not they are. ``branches`` = ``(segment lengths (G,),
+    rates (G,), offsets (G, H))`` int64 on the device (offset -1: the head does not run
+    the branch). Launches only: nothing waits for the device."""
     batch, rows, heads, dim = q.shape
     capacity = k_ring.shape[2]
+    consecutive = isinstance(key_positions, int)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if k_ring.stride()[2:] != (dim, 1) or v_ring.stride() != k_ring.stride() or key_positions.stride(1) != 1:
+    positions_ok = consecutive or key_positions.stride(1) == 1
+    if k_ring.stride()[2:] != (dim, 1) or v_ring.stride() != k_ring.stride() or not positions_ok:
         raise ValueError(
             "the rings' slots must each hold D contiguous elements, alike in k and v, positions contiguous"
         )
     programs = batch * heads * rows
-    part_m = torch.empty(programs * splits, dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
-    part_o = torch.empty(programs * splits * dim, dtype=torch.float32, device=q.device)
-    part_flags = torch.empty(programs * splits, dtype=torch.int32, device=q.device)
+    # the splits' partials in one block: maxima, sums, flags (as int32), outputs
+    parts = torch.empty(programs * splits * (dim + 3), dtype=torch.float32, device=q.device)
+    part_m, part_l, part_flags, part_o = parts.split([programs * splits] * 3 + [programs * splits * dim])
+    part_flags = part_flags.view(torch.int32)
     seg, rate, offsets = branches
     dim_block = _block(dim)
+    block = key_block(dim_block)
     _ring_kernel[(programs, splits)](
-        q, k_ring, v_ring, next_positions, key_positions, bad.view(torch.uint8), seg, rate, offsets,
+        q, k_ring, v_ring, next_positions, next_positions if consecutive else key_positions, bad.view(torch.uint8),
+        seg, rate, offsets,
         part_m, part_l, part_o, part_flags,
-        scale, rows, heads, capacity, dim, len(seg), ceil_div(ceil_div(capacity, splits), BLOCK_N) * BLOCK_N, splits,
-        *q.stride()[:3], *k_ring.stride()[:2], key_positions.stride(0), *bad.stride(),
-        BLOCK=BLOCK_N, DIM_BLOCK=dim_block,
+        scale, rows, heads, capacity, dim, len(seg), ceil_div(ceil_div(capacity, splits), block) * block, splits,
+        key_positions if consecutive else 0,
+        *q.stride()[:3], *k_ring.stride()[:2], 0 if consecutive else key_positions.stride(0), *bad.stride(),
+        BLOCK=block, DIM_BLOCK=dim_block, CONSECUTIVE=consecutive,
     )  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _combine_kernel[(programs,)](
