@@ -552,8 +552,7 @@ def _attend(
     it no query attends to). ``keys_finite``: the caller knows that ``k, v`` hold no NaN
     or infinity (a :class:`DilatedCache` window), so the library does not scan them
     again: a decode step then goes straight to the lean path
-    (:func:`dilated_attention.ops.decode.attend_step`), given the whole window (it
-    reads from the earliest key its queries reach)."""
+    (:func:`dilated_attention.ops.decode.attend_step`)."""
     # padding that matters: a padded key at or after slot drop
     padding = None if mask is None or bool(mask[:, drop:].all()) else ~mask
     if keys_finite and not options["dropout_p"]:
@@ -561,24 +560,20 @@ def _attend(
         validation.refuse_torch_func()
         validation.check_qkv(q, k, v, "bhnd")
         scale = validation.check_scale(options["softmax_scale"], q.shape[-1])
-        if functional.takes_step(q, k, v, q.shape[2]):
-            branches = [options[name] for name in ("segment_lengths", "dilation_rates", "mode", "head_offsets")]
-            out, lse = functional.step(q.transpose(1, 2), k, v, offsets, padding, branches, scale)
-        else:
-            call = validation.Attention(
-                q.transpose(1, 2),
-                k[:, :, drop:].transpose(1, 2),
-                v[:, :, drop:].transpose(1, 2),
-                None if padding is None else padding[:, drop:],
-                options["segment_lengths"],
-                options["dilation_rates"],
-                options["mode"],
-                options["head_offsets"],
-                True,
-                scale,
-                tuple(offset + drop for offset in offsets),
-            )
-            out, lse = functional.run(call, keys_checked=True)
+        call = validation.Attention(
+            q.transpose(1, 2),
+            k[:, :, drop:].transpose(1, 2),
+            v[:, :, drop:].transpose(1, 2),
+            None if padding is None else padding[:, drop:],
+            options["segment_lengths"],
+            options["dilation_rates"],
+            options["mode"],
+            options["head_offsets"],
+            True,
+            scale,
+            tuple(offset + drop for offset in offsets),
+        )
+        out, lse = functional.run(call, keys_checked=True)  # a decode step takes the lean path there
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     else:
         out, lse = dilated_attention(

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from ..nn.cache import DilatedKVCache, check_batch
 from ..nn.modules import MultiheadDilatedAttention, sequence_positions
 from ..nn.rotary import RotaryEmbedding, check_positions
+from ..nn.static_cache import StaticKVCache
 from ..ops import validation
 from .config import LongNetConfig
 
@@ -69,7 +70,9 @@ class LongNetBlock(nn.Module):
         self.ffn = FeedForward(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, positions, cache: DilatedKVCache | None = None, process_group=None) -> torch.Tensor:
+    def forward(
+        self, x, positions, cache: DilatedKVCache | StaticKVCache | None = None, process_group=None
+    ) -> torch.Tensor:
         y, _ = self.attention(
             self.attention_norm(x), is_causal=True, positions=positions, cache=cache, process_group=process_group
         )
@@ -84,7 +87,7 @@ class LongNetCache:
     (max(segment_lengths) + L) * dim`` elements for ``B`` sequences fed chunks of ``L``
     tokens, however many tokens pass through."""
 
-    def __init__(self, layers: list[DilatedKVCache]):
+    def __init__(self, layers: list[DilatedKVCache] | list[StaticKVCache]):
         self.layers = layers
 
     @property

@@ -309,7 +309,7 @@ class MultiheadDilatedAttention(nn.Module):
         process_group=None,
         *,
         positions: torch.Tensor | None = None,
-        cache: DilatedKVCache | None = None,
+        cache: DilatedKVCache | StaticKVCache | None = None,
     ) -> tuple[torch.Tensor, None]:
         """``query`` (and ``key``, ``value``, which default to it) ``(B, N, embed_dim)``
         (``(N, B, embed_dim)`` with ``batch_first=False``) -> ``(output, None)`` in the
@@ -327,9 +327,10 @@ class MultiheadDilatedAttention(nn.Module):
         for ``rotary``; by default ``0 .. N-1``, this shard's with ``process_group``,
         the cache's next ones with ``cache``.
 
-        ``cache``: a :class:`dilated_attention.DilatedKVCache` from :meth:`new_cache`
-        (needs ``is_causal=True``, no mask, no dropout): the rows are the next ``N``
-        positions of its sequences; their keys and values are appended to it.
+        ``cache``: a :class:`dilated_attention.DilatedKVCache` (or
+        :class:`dilated_attention.StaticKVCache`) from :meth:`new_cache` (needs
+        ``is_causal=True``, no mask, no dropout): the rows are the next ``N`` positions
+        of its sequences; their keys and values are appended to it.
         """
         # checks of this rank's input, before any collective call: with a process_group a
         # failure is raised on every rank (the others would wait for this one)

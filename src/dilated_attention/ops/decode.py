@@ -13,8 +13,14 @@ its branches: the selected keys of a branch in the query's segment are every
 the heads it counts for are those whose offset is the query's phase in the segment
 (a precomputed per-branch, per-phase head vector). The cost is one small tensor
 operation per branch and query row, whatever the lengths, plus the attention over
-the window (never longer than ``max(segment_lengths)`` keys). Exact: the tests hold
-it to the float64 reference.
+the window (never longer than ``max(segment_lengths)`` keys).
+
+Where windows are much longer than what the heads attend to, a step of one row per
+sequence runs branch by branch instead (:func:`branch_attention`): a call per branch
+and phase over the branch's strided keys, merged by their log-sum-exps, planned once
+per arrangement of the rows in their segments (:func:`branch_calls`); a cost model
+picks the cheaper way (:func:`attend_step`). Both are exact: the tests hold them to
+the float64 reference.
 """
 
 from __future__ import annotations
@@ -391,7 +397,7 @@ def window_attention(
     if width is None:
         width = window_width(tables, firsts, rows, num_keys)
     shared = len(set(firsts)) == 1  # sequences at one position share one bias
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the scores' dtype
+    dtype = accumulator(q.dtype)  # the scores' dtype
     bias, empty = window_bias(tables, firsts[:1] if shared else firsts, rows, width, num_heads, q.device, dtype)
     if width < num_keys:
         k, v = k.narrow(2, num_keys - width, width), v.narrow(2, num_keys - width, width)

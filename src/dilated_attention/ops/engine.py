@@ -17,8 +17,9 @@ Only the inputs, the mask, the dropout seed, the rows flagged non-finite, the ou
 and the LSE are saved (and, across processes, the rows received from other ranks,
 kept by the exchange).
 
-``head_groups`` uses the same path: its blocks never overlap, so each result is
-written once, with the final ``1 / G`` applied as it is written.
+``head_groups`` uses the same path: no two branches share a cell, so each result is
+written once, with the final ``1 / G`` applied as it is written (a key window's block
+of a segment's earlier keys and its diagonal block are merged as in ``mixture``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class EngineConfig:
     elements (at least one segment per call), which bounds the temporary memory
     and, on CPU, keeps it small enough to be reused rather than freshly paged in
     each call; ``out_scale``: factor applied to the merged output (``1 / G`` in
-    ``head_groups``, where blocks never overlap); ``kernel``: one of the classes of
+    ``head_groups``, where no two branches share a cell); ``kernel``: one of the classes of
     :mod:`dilated_attention.ops.kernels`; ``query_position``, ``key_position``: the
     sequence positions of the first row of ``q`` and of ``k, v``; ``batch_rows``: the
     batch rows of the caller's tensors that these are (``None``: all, in order).
@@ -382,7 +383,7 @@ def engine_forward(q, k, v, padding, seed, query_flags, key_flags, cfg: EngineCo
     """Output ``(B, Lq, H, D)`` in ``q.dtype`` and LSE ``(B, Lq, H)``; see module docstring.
 
     ``seed``: 0-dim int64 tensor of the dropout masks, or ``None`` without dropout.
-    ``query_flags`` ``(B, Lq, H)``, ``key_flags`` ``(B, Lk, H)``: bool, the rows of ``q``
+    ``query_flags`` ``(B, Lq, H)``, ``key_flags`` ``(B, Lk, H_kv)``: bool, the rows of ``q``
     and of ``k, v`` that hold a NaN or an infinity (:func:`nonfinite_rows`; ``None``:
     none; the fused kernels then check every tile they load).
     ``exchange`` (a :class:`dilated_attention.ops.distributed.Exchange`, or ``None``) has

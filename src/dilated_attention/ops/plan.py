@@ -278,7 +278,8 @@ def _make_plan(
     ``mixture``: every branch on every head (offsets by ``head_offsets``); the first
     branch with ``r = 1`` (if any) goes first, so that its blocks, which cover every
     cell, are written and the others merged into them. ``head_groups``: branch ``i``
-    on head group ``i`` only, offset ``i % r_i``; no two blocks share a cell.
+    on head group ``i`` only, offset ``i % r_i``; no two branches share a cell (a
+    window's earlier-keys block and diagonal block of one segment do, merged).
     """
     query_start = key_offset + num_keys - num_queries
     head_sets = branch_head_sets(num_heads, dilation_rates, mode, head_offsets)

@@ -43,7 +43,6 @@ from .plan import BranchTable
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 # Query rows of a decode call: up to this many run as one tile of consecutive rows.
 DECODE_ROWS = 16
 
@@ -398,6 +397,7 @@ def _forward_kernel(
     else:
         attended = l_i > 0
         out = acc / tl.where(attended, l_i, 1.0)[:, None] * out_scale
+        # the LSE in natural log: log2 times ln 2
         lse = tl.where(attended, (m_i + tl.log2(tl.where(attended, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         if CHECK_FINITE:
             dead = (q_bad | reached) & attended
