@@ -262,8 +262,8 @@ class Exchange:
             outgoing[peer] = torch.cat(parts)
         self._incoming = {}
         for peer, unions in self.unions_from.items():
-            size = 2 * self.batch * self.dim * sum(len(rows) for rows in unions.values())
-            self._incoming[peer] = k.new_empty(size + (self.batch * len(_all_rows(unions)) if self.masked else 0))
+            size = self._pair_size(unions) + (self.batch * len(_all_rows(unions)) if self.masked else 0)
+            self._incoming[peer] = k.new_empty(size)
         self._pending = self.communicator.transfer(outgoing, self._incoming)
         self.communicator.traffic = self.traffic  # this call's, its backward included once run
         self.traffic.forward_sent = sum(_nbytes(t) for t in outgoing.values())
@@ -277,15 +277,8 @@ class Exchange:
             work.wait()
         sources, blocks = [], []
         for peer, pairs in self.plan.receives:
-            unions, buf, at = self.unions_from[peer], self._incoming[peer], 0
-            per_head = []
-            for _ in range(2):  # keys, then values: head -> (B, rows, D)
-                tensors = {}
-                for head, head_rows in unions.items():
-                    n = self.batch * len(head_rows) * self.dim
-                    tensors[head] = buf[at : at + n].view(self.batch, len(head_rows), self.dim)
-                    at += n
-                per_head.append(tensors)
+            unions, buf = self.unions_from[peer], self._incoming[peer]
+            per_head, at = self._unpack(buf, unions)
             mask_rows = _all_rows(unions)
             mask = buf[at:].view(self.batch, len(mask_rows)) != 0 if self.masked else None
             for rows, block in pairs:
@@ -321,9 +314,7 @@ class Exchange:
                 index += 1
             outgoing[peer] = torch.cat([t.to(self.dtype).reshape(-1) for total in sums for t in total.values()])
         self._incoming = {
-            peer: torch.empty(
-                2 * self.batch * self.dim * sum(len(r) for r in unions.values()), dtype=self.dtype, device=self.device
-            )
+            peer: torch.empty(self._pair_size(unions), dtype=self.dtype, device=self.device)
             for peer, unions in self.unions_to.items()
         }
         self._pending = self.communicator.transfer(outgoing, self._incoming)
@@ -335,13 +326,29 @@ class Exchange:
         for work in self._pending:
             work.wait()
         for peer, unions in self.unions_to.items():
-            buf, at = self._incoming[peer], 0
-            for grad in (dk, dv):
+            halves, _ = self._unpack(self._incoming[peer], unions)
+            for grad, rows_grads in zip((dk, dv), halves, strict=True):
                 for head, rows in unions.items():
-                    n = self.batch * len(rows) * self.dim
-                    rows_grad = buf[at : at + n].view(self.batch, len(rows), self.dim)
-                    grad[:, :, head].index_add_(1, rows, rows_grad.to(grad.dtype))
-                    at += n
+                    grad[:, :, head].index_add_(1, rows, rows_grads[head].to(grad.dtype))
+
+    def _pair_size(self, unions) -> int:
+        """Elements of a message's keys and values (or their gradients) for ``unions``
+        (head -> rows): ``B x rows x D`` per head, twice."""
+        return 2 * self.batch * self.dim * sum(len(rows) for rows in unions.values())
+
+    def _unpack(self, buf: torch.Tensor, unions) -> tuple[list[dict[int, torch.Tensor]], int]:
+        """A message's keys then values (or their gradients), each per head a ``(B, rows,
+        D)`` view of ``buf``, as :meth:`start_forward` and :meth:`start_backward` pack
+        them; and the offset where they end."""
+        halves, at = [], 0
+        for _ in range(2):
+            views = {}
+            for head, rows in unions.items():
+                n = self.batch * len(rows) * self.dim
+                views[head] = buf[at : at + n].view(self.batch, len(rows), self.dim)
+                at += n
+            halves.append(views)
+        return halves, at
 
 
 def _head_unions(entries, device) -> dict[int, torch.Tensor]:
