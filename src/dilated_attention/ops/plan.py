@@ -314,13 +314,25 @@ def _make_plan(
                 if earlier is not None:
                     blocks.append(Block(i, queries, earlier, False, fresh))
                 blocks.append(Block(i, queries, diagonal, is_causal, fresh and earlier is None))
-        for start, nseg, seglen in _segment_groups(key_offset + num_keys - square_start, w):
-            for offset, heads in head_sets[i]:
-                if offset < seglen:
-                    queries = Rows(square_start - query_start + start, nseg, seglen, r, offset, heads)
-                    keys = replace(queries, start=square_start - key_offset + start)
-                    blocks.append(Block(i, queries, keys, is_causal, fresh))
+        span = key_offset + num_keys - square_start
+        origins = (square_start - query_start, square_start - key_offset)
+        blocks += _segment_blocks(i, span, w, r, head_sets[i], origins, is_causal, fresh)
     return tuple(blocks)
+
+
+def _segment_blocks(branch, span, w, r, head_set, origins, is_causal, fresh) -> list[Block]:
+    """The square blocks of branch ``branch`` (``w``, ``r``, heads ``head_set``) over
+    ``span`` positions from a segment start on (the last segment may be short): one
+    per group of equal segments and head offset, its query and key rows from
+    ``origins`` = (the first position's query row, its key row)."""
+    query_origin, key_origin = origins
+    blocks = []
+    for start, nseg, seglen in _segment_groups(span, w):
+        for offset, heads in head_set:
+            if offset < seglen:
+                queries = Rows(query_origin + start, nseg, seglen, r, offset, heads)
+                blocks.append(Block(branch, queries, replace(queries, start=key_origin + start), is_causal, fresh))
+    return blocks
 
 
 @dataclass(frozen=True)
@@ -382,11 +394,8 @@ def make_shard_plan(
         inner_last = last_seg if hi == seq_len else hi // w - 1
         if inner_first <= inner_last:
             inner_start, inner_stop = inner_first * w, min((inner_last + 1) * w, seq_len)
-            for start, nseg, seglen in _segment_groups(inner_stop - inner_start, w):
-                for offset, heads in head_sets[i]:
-                    if offset < seglen:
-                        rows = Rows(inner_start - lo + start, nseg, seglen, r, offset, heads)
-                        blocks.append(Block(i, rows, rows, is_causal, fresh))
+            origins = (inner_start - lo, inner_start - lo)
+            blocks += _segment_blocks(i, inner_stop - inner_start, w, r, head_sets[i], origins, is_causal, fresh)
         for seg in sorted({first_seg, last_seg}):
             if inner_first <= seg <= inner_last:
                 continue
