@@ -193,6 +193,37 @@ def test_infinities_of_fused_steps_reach_a_later_chunk_as_nan():
     assert max_relative_error(out, ref) <= TOLERANCES[torch.float32]
 
 
+def test_a_cache_flagged_in_inference_mode_takes_unchecked_keys_outside_it():
+    """Non-finite keys flagged under ``inference_mode`` (by a long chunk), another
+    appended unchecked by a fused step there, then a long chunk outside it: the flags
+    are remade writable, and the rows are the reference's."""
+    segs, rates = [8, 16], [1, 2]
+    tensors = [torch.randn(1, 60, 2, 4) for _ in range(3)]
+    tensors[1][0, 5, 1, 0] = float("nan")
+    tensors[2][0, 18, 0, 3] = float("inf")
+    cache = DilatedKVCache(1, 2, 4, segs, rates, kernel="triton")
+    with torch.inference_mode():
+        outs = [cache.attend(*(t[:, :17] for t in tensors)), cache.attend(*(t[:, 17:19] for t in tensors))]
+    outs.append(cache.attend(*(t[:, 19:40] for t in tensors)))
+    out = torch.cat(outs, 1)
+    ref, _ = reference_dilated_attention(*(t[:, :40].double() for t in tensors), segs, rates, is_causal=True)
+    assert torch.equal(out.isnan(), ref.isnan()) and ref[:, 19:40].isnan().any()
+    assert max_relative_error(out, ref) <= TOLERANCES[torch.float32]
+
+
+@pytest.mark.parametrize("kind", ["StaticKVCache", "DilatedKVCache"])
+def test_huge_finite_values_never_come_out_nan_from_the_fused_steps(kind):
+    """NaN is for rows a NaN or an infinity reaches: values near float32's largest,
+    finite, never read as non-finite (a sum of them may still overflow to infinity)."""
+    import dilated_attention
+
+    cache = getattr(dilated_attention, kind)(1, 2, 4, [4], [1], kernel="triton")
+    q, k = torch.randn(1, 12, 2, 4), torch.randn(1, 12, 2, 4)
+    v = torch.full((1, 12, 2, 4), 2e38)
+    out = torch.cat([cache.attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]) for i in range(12)], 1)
+    assert not out.isnan().any() and torch.equal(out[:, 0], v[:, 0])  # the first attends to itself alone
+
+
 def test_fused_cache_steps_wait_for_nothing_on_the_host():
     """After its first step, a fused step of the cache makes no operation that copies
     to or from the host (``.item()``, a tensor made from Python values): the keys'

@@ -434,6 +434,8 @@ class DilatedKVCache(CacheSettings):
                     self._bad = torch.zeros(
                         self._k.shape[0], self._k.shape[2], self._k.shape[1], dtype=torch.bool, device=self.device
                     )
+                elif self._bad.is_inference() and not torch.is_inference_mode_enabled():
+                    self._bad = self._bad.clone()  # made in inference mode: not writable outside it
                 self._bad[:, slots] = flags
             self._unchecked = 0
 

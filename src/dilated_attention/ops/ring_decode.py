@@ -138,24 +138,22 @@ def _ring_kernel(
         k = tl.load(K + cells, mask=cell_ok, other=0.0)
         scores = tl.where(counted, tl.sum(k.to(tl.float32) * q[None, :], 1) * scale, float("-inf"))
         # An attended key row holding NaN or an infinity gives a NaN or infinite score (q
-        # is finite, or its row is flagged): -inf is found here, NaN and +inf leave the
-        # output NaN (found below). So does a score that overflows (outside the definition).
+        # is finite, or its row is flagged): -inf is found here, NaN and +inf make p NaN
+        # (found below). So does a score that overflows (outside the definition).
         bad = (tl.load(BAD + flags + n * s_fc, mask=inside, other=0) != 0) | (scores == float("-inf"))
-        some = tl.maximum(some, tl.max(counted.to(tl.int32), 0))
-        reached = tl.maximum(reached, tl.max((counted & bad).to(tl.int32), 0))
         m_new = tl.maximum(m, tl.max(scores, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.where(counted, count * tl.exp(scores - m_safe), 0.0)
         alpha = tl.exp(m - m_safe)
-        # the value rows of keys not attended to are never read (0 * NaN is NaN)
-        v = tl.load(V + cells, mask=cell_ok & counted[:, None], other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
+        # the value rows of keys not attended to are never read (0 * NaN is NaN); x * 0 is
+        # NaN exactly where x is NaN or infinite, whatever the size of a finite x
+        v = tl.load(V + cells, mask=cell_ok & counted[:, None], other=0.0).to(tl.float32)
+        bad = bad | (p != p) | (tl.sum(v * 0.0, 1) != 0.0)
+        some = tl.maximum(some, tl.max(counted.to(tl.int32), 0))
+        reached = tl.maximum(reached, tl.max((counted & bad).to(tl.int32), 0))
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         total = total * alpha + tl.sum(p, 0)
         m = m_new
-    # An attended value row holding NaN or an infinity leaves the output non-finite (p > 0
-    # makes it infinite or NaN, p = 0 NaN, and either survives the rescaling), as does a
-    # NaN or +inf score.
-    reached = tl.maximum(reached, tl.max(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32), 0))
     part = row.to(tl.int64) * splits + split
     tl.store(PART_M + part, m)
     tl.store(PART_L + part, total)
