@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
 from dilated_attention.ops import fused
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
-from helpers import cache_from_config, configs, poison, random_inputs, split_config, windows
+from helpers import cache_from_config, configs, feed, poison, random_inputs, split_config, windows
 
 pytest.importorskip("triton")
 # conftest.py sets TRITON_INTERPRET=1 before anything imports Triton.
@@ -160,11 +160,7 @@ def test_fused_cache_steps_find_non_finite_values_themselves(cfg, data):
     sizes = []
     while sum(sizes) < total:
         sizes.append(min(total - sum(sizes), data.draw(st.sampled_from([1, 2, 17, 20]))))
-    outs, at = [], 0
-    for size in sizes:
-        outs.append(cache.attend(*(t[:, at : at + size] for t in tensors)))
-        at += size
-    out = torch.cat(outs, 1)
+    out = feed(cache, tensors, sizes)
     for row, pad in enumerate(pads):
         ref, _ = reference_dilated_attention(*(t[row : row + 1, pad:].double() for t in tensors), **attn)
         assert torch.equal(out[row : row + 1, pad:].isnan(), ref.isnan())
@@ -183,11 +179,7 @@ def test_infinities_of_fused_steps_reach_a_later_chunk_as_nan():
     tensors[2][0, 5, 1, 2] = float("-inf")
     cache = DilatedKVCache(1, 2, 8, segs, rates, kernel="triton")
     sizes = [1] * 8 + [20] + [1] * 12
-    outs, at = [], 0
-    for size in sizes:
-        outs.append(cache.attend(*(t[:, at : at + size] for t in tensors)))
-        at += size
-    out = torch.cat(outs, 1)
+    out = feed(cache, tensors, sizes)
     ref, _ = reference_dilated_attention(*(t.double() for t in tensors), segs, rates, is_causal=True)
     assert torch.equal(out.isnan(), ref.isnan()) and ref[:, 8:28].isnan().any()
     assert max_relative_error(out, ref) <= TOLERANCES[torch.float32]
@@ -220,7 +212,7 @@ def test_huge_finite_values_never_come_out_nan_from_the_fused_steps(kind):
     cache = getattr(dilated_attention, kind)(1, 2, 4, [4], [1], kernel="triton")
     q, k = torch.randn(1, 12, 2, 4), torch.randn(1, 12, 2, 4)
     v = torch.full((1, 12, 2, 4), 2e38)
-    out = torch.cat([cache.attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]) for i in range(12)], 1)
+    out = feed(cache, (q, k, v), [1] * 12)
     assert not out.isnan().any() and torch.equal(out[:, 0], v[:, 0])  # the first attends to itself alone
 
 
@@ -261,9 +253,8 @@ def test_fused_cache_steps_wait_for_nothing_on_the_host():
         for name in ("_ring_kernel", "_combine_kernel"):
             patch.setattr(ring_decode, name, OutsideTheMode(getattr(ring_decode, name)))
         with HostTransfers() as mode:
-            outs = [cache.attend(*(t[:, i : i + 1] for t in tensors)) for i in range(2, 30)]
+            out = feed(cache, [t[:, 2:] for t in tensors], [1] * 28)
     assert mode.seen == []
-    out = torch.cat(outs, 1)
     ref, _ = reference_dilated_attention(*(t[:1].double() for t in tensors), [8, 16], [1, 2], is_causal=True)
     assert torch.equal(out[:1].isnan(), ref[:, 2:].isnan()) and out[:1].isnan().any()
     assert max_relative_error(out[:1], ref[:, 2:]) <= TOLERANCES[torch.float32]
