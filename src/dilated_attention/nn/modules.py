@@ -298,40 +298,12 @@ class MultiheadDilatedAttention(nn.Module):
                     f"on {t.device}: move the input (or the module, with .to()), or run under torch.autocast"
                 )
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None = None,
-        value: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
-        need_weights: bool = False,
-        is_causal: bool = False,
-        process_group=None,
-        *,
-        positions: torch.Tensor | None = None,
-        cache: DilatedKVCache | StaticKVCache | None = None,
-    ) -> tuple[torch.Tensor, None]:
-        """``query`` (and ``key``, ``value``, which default to it) ``(B, N, embed_dim)``
-        (``(N, B, embed_dim)`` with ``batch_first=False``) -> ``(output, None)`` in the
-        same layout, like ``nn.MultiheadAttention``. ``key_padding_mask``: bool
-        ``(B, N)``, ``True`` = padding, in either layout.
-
-        With ``process_group`` the inputs are this rank's shard of the sequence; the
-        projections and the LayerNorm act per token, so the output is this rank's
-        shard of the single-process output. Parameter gradients are this shard's
-        part: sum them over ranks (``torch.distributed.all_reduce``) for the
-        single-process gradients (``DistributedDataParallel`` averages them: scale
-        the loss by the world size under it).
-
-        ``positions``: the absolute positions of the rows, ``(N,)`` or ``(B, N)`` ints,
-        for ``rotary``; by default ``0 .. N-1``, this shard's with ``process_group``,
-        the cache's next ones with ``cache``.
-
-        ``cache``: a :class:`dilated_attention.DilatedKVCache` (or
-        :class:`dilated_attention.StaticKVCache`) from :meth:`new_cache` (needs
-        ``is_causal=True``, no mask, no dropout): the rows are the next ``N`` positions
-        of its sequences; their keys and values are appended to it.
-        """
+    def _checked_inputs(
+        self, query, key, value, key_padding_mask, need_weights, is_causal, process_group, positions, cache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``query, key, value`` as :meth:`forward` takes them, checked, in the batch-first
+        layout (``key`` and ``value`` default to ``query``); a ``TypeError`` or
+        ``ValueError`` naming what is wrong, raised on every rank of ``process_group``."""
         # checks of this rank's input, before any collective call: with a process_group a
         # failure is raised on every rank (the others would wait for this one)
         with validation.shared_errors(process_group):
@@ -372,6 +344,45 @@ class MultiheadDilatedAttention(nn.Module):
                 self._check_cache(cache, query.shape[0], is_causal, key_padding_mask, process_group)
             if positions is not None and process_group is not None:  # else rotary checks them
                 check_positions(positions, query.shape[0], query.shape[1])
+        return query, key, value
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        is_causal: bool = False,
+        process_group=None,
+        *,
+        positions: torch.Tensor | None = None,
+        cache: DilatedKVCache | StaticKVCache | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        """``query`` (and ``key``, ``value``, which default to it) ``(B, N, embed_dim)``
+        (``(N, B, embed_dim)`` with ``batch_first=False``) -> ``(output, None)`` in the
+        same layout, like ``nn.MultiheadAttention``. ``key_padding_mask``: bool
+        ``(B, N)``, ``True`` = padding, in either layout.
+
+        With ``process_group`` the inputs are this rank's shard of the sequence; the
+        projections and the LayerNorm act per token, so the output is this rank's
+        shard of the single-process output. Parameter gradients are this shard's
+        part: sum them over ranks (``torch.distributed.all_reduce``) for the
+        single-process gradients (``DistributedDataParallel`` averages them: scale
+        the loss by the world size under it).
+
+        ``positions``: the absolute positions of the rows, ``(N,)`` or ``(B, N)`` ints,
+        for ``rotary``; by default ``0 .. N-1``, this shard's with ``process_group``,
+        the cache's next ones with ``cache``.
+
+        ``cache``: a :class:`dilated_attention.DilatedKVCache` (or
+        :class:`dilated_attention.StaticKVCache`) from :meth:`new_cache` (needs
+        ``is_causal=True``, no mask, no dropout): the rows are the next ``N`` positions
+        of its sequences; their keys and values are appended to it.
+        """
+        query, key, value = self._checked_inputs(
+            query, key, value, key_padding_mask, need_weights, is_causal, process_group, positions, cache
+        )
         heads = (self.num_heads, self.embed_dim // self.num_heads)
         q = self.q_proj(query).unflatten(-1, heads)
         k = self.k_proj(key).unflatten(-1, heads)

@@ -428,6 +428,21 @@ def engine_forward(q, k, v, padding, seed, query_flags, key_flags, cfg: EngineCo
     return out.to(q.dtype), lse
 
 
+def _backward_rows(out, grad_out, lse, grad_lse, out_scale: float):
+    """``out, grad_out, lse`` and the LSE's gradient (divided by ``out_scale``; ``None``
+    where none reaches it) as the kernels' backward takes them. A row with no key at
+    all has ``lse = -inf``: ``+inf`` makes all its probabilities 0. A row that a
+    non-finite input reached (``lse`` NaN) is a constant NaN: it passes no gradient
+    back, so it gets the same treatment and its output counts as 0."""
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    no_key, dead = torch.isneginf(lse), torch.isnan(lse)
+    if not _known_empty(dead):
+        out, grad_out = (t.masked_fill(dead.unsqueeze(-1), 0.0) for t in (out, grad_out))
+        no_key = no_key | dead
+    lse_grad = None if grad_lse is None else grad_lse.masked_fill(no_key, 0.0) / out_scale
+    return out, grad_out, lse.masked_fill(no_key, math.inf), lse_grad
+
+
 def engine_backward(
     grad_out, grad_lse, q, k, v, padding, seed, query_flags, key_flags, out, lse, cfg: EngineConfig, exchange=None
 ):
@@ -471,16 +486,7 @@ def engine_backward(
         grad_k, grad_v = (_buffer(t.shape, acc, t.device, cfg, 0.0) for t in (k, v))
     else:
         grad_k, grad_v = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
-    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    # A row with no key at all has lse = -inf; +inf makes all its probabilities 0.
-    # A row that a non-finite input reached (lse NaN) is a constant NaN: it passes
-    # no gradient back, so it gets the same treatment and its output counts as 0.
-    no_key, dead = torch.isneginf(lse), torch.isnan(lse)
-    if not _known_empty(dead):
-        out, grad_out = (t.masked_fill(dead.unsqueeze(-1), 0.0) for t in (out, grad_out))
-        no_key = no_key | dead
-    lse = lse.masked_fill(no_key, math.inf)
-    lse_grad = None if grad_lse is None else grad_lse.masked_fill(no_key, 0.0) / cfg.out_scale
+    out, grad_out, lse, lse_grad = _backward_rows(out, grad_out, lse, grad_lse, cfg.out_scale)
     sources = [KeySource(k, v, padding, cfg.key_position, bad=key_flags), *remote_sources]
 
     def block_grads(block: Block):
