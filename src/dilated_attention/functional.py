@@ -244,9 +244,7 @@ def takes_step(
     dropout, nothing to differentiate, no NaN or infinity in ``q``, PyTorch's kernels
     (``kernel``: see :mod:`dilated_attention.ops.fused`). The caller checks that the
     call runs on one process."""
-    if num_queries > decode.MAX_ROWS or q.device.type != "cpu" or dropout > 0 or torch.compiler.is_compiling():
-        return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if q.device.type != "cpu" or dropout > 0 or not decode.is_step(num_queries, q, k, v):
         return False
     return not fused.use_triton(q, dropout, False, kernel) and nonfinite_rows(q) is None
 

@@ -496,9 +496,7 @@ class DilatedKVCache(CacheSettings):
         waits for the device), or, with no NaN or infinity anywhere, ``"torch"``, the
         lean path's PyTorch operations (:mod:`dilated_attention.ops.decode`, on the
         CPU); else ``None``: the engine's blocks, group by group."""
-        if q.shape[1] > decode.MAX_ROWS or torch.compiler.is_compiling():
-            return None
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if not decode.is_step(q.shape[1], q, k, v):
             return None
         if self._takes_kernel(q):  # (which raises where "triton" is asked for and cannot run)
             return "triton"

@@ -67,6 +67,16 @@ ROW_STEP_COST = 3 * BRANCH_CALLS_COST
 CALL_ELEMENTS = 8
 
 
+def is_step(num_rows: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a call of ``num_rows`` query rows on ``q, k, v`` is a decode step, which
+    the caches' fused launches and this module's lean path take: at most
+    :data:`MAX_ROWS` rows, nothing to differentiate, not traced by ``torch.compile``
+    (which takes the engine's path, whose shapes it follows)."""
+    if num_rows > MAX_ROWS or torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+
+
 class Memo(dict):
     """A memo whose values hold at most a given number of elements in all, each value's
     count given as it is kept: emptied when the next would pass the bound (what it
