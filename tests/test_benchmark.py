@@ -1,6 +1,7 @@
 """The benchmark's FLOP count, memory probe and command (a smoke run on tiny sizes)."""
 
 import dataclasses
+import errno
 import io
 import json
 import math
@@ -242,6 +243,42 @@ def test_atomic_write_leaves_the_old_file_when_writing_fails(tmp_path):
         atomic_write(str(tmp_path / "missing" / "out.txt")),
     ):
         pass
+
+
+def test_a_failed_write_names_the_file_asked_for_not_its_temporary(tmp_path, monkeypatch):
+    """A full disk while the file is written, or a refused rename, raises the system's
+    error about the path the caller gave (a temporary's name would mean nothing to a
+    user), leaving the old file and no temporary."""
+    path = tmp_path / "out.json"
+    path.write_text("old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def refused(source, destination):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), source, None, destination)
+
+    for name, failing, kind, code in (
+        ("fsync", full, OSError, errno.ENOSPC),
+        ("replace", refused, PermissionError, errno.EACCES),
+    ):
+        with monkeypatch.context() as patch:
+            patch.setattr(os, name, failing)
+            with pytest.raises(kind) as raised, atomic_write(str(path)) as f:
+                f.write("new")
+        assert raised.value.errno == code and raised.value.filename == str(path)
+        assert str(path) in str(raised.value) and ".tmp" not in str(raised.value)
+        assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
+    # an error without a number (no system call's) and one of another file the caller's
+    # block reads are left as they are
+    with pytest.raises(OSError, match=r"^disk full$") as raised, atomic_write(str(path)) as f:  # noqa: PT012
+        f.write("new")
+        raise OSError("disk full")
+    assert raised.value.__cause__ is None and path.read_text() == "old"
+    with pytest.raises(FileNotFoundError) as raised, atomic_write(str(path)) as f:  # noqa: PT012 - the body is under test
+        f.write("new")
+        (tmp_path / "missing.txt").read_text()
+    assert raised.value.filename == str(tmp_path / "missing.txt") and path.read_text() == "old"
 
 
 def test_fresh_folder_never_reuses_a_folder(tmp_path):

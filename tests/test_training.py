@@ -1,6 +1,7 @@
 """`dilated-attention train` / `generate`: learning, exact resume, processes, bad input."""
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -288,6 +289,18 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path, text_
     assert (run / "checkpoint.pt").read_bytes() == before
     assert checkpoint.load_checkpoint(str(run))["step"] == 2
     assert ".checkpoint.pt" not in " ".join(os.listdir(run))  # no temporary left
+
+
+def test_a_full_disk_is_found_in_an_error_chain_even_one_that_loops():
+    """``torch.save`` reports a failed write as a ``RuntimeError`` caused by the
+    system's error; a chain that loops back on itself ends the search, not the run."""
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    reported = RuntimeError("write failed")
+    reported.__cause__, full.__context__ = full, reported
+    assert checkpoint._out_of_space(reported)
+    looping = OSError("disk full")
+    looping.__cause__ = looping
+    assert not checkpoint._out_of_space(looping)
 
 
 def test_the_default_corpus_is_the_standard_library_and_the_split_is_fixed():

@@ -51,9 +51,11 @@ def save_checkpoint(run_dir: str, state: dict) -> str:
 def _out_of_space(exc: BaseException | None) -> bool:
     """Whether ``exc``, or an error it was raised while handling (``torch.save``
     reports a failed write as a ``RuntimeError``), is a full disk or quota."""
-    while exc is not None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:  # (a chain may loop: `raise e from e`)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
+        seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return False
 

@@ -8,7 +8,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, NoReturn
 
 # The suffix of atomic_write's temporary files (``.NAME.<random hex>.tmp``).
 TEMPORARY_SUFFIX = ".tmp"
@@ -31,16 +31,30 @@ def atomic_write(path: str, binary: bool = False) -> Iterator[IO]:
     A reader of ``path`` sees the old file or the new one, never part of one."""
     temporary = temporary_path(path)
     mode, encoding = ("xb", None) if binary else ("x", "utf-8")
-    f = open(temporary, mode, encoding=encoding)  # noqa: SIM115 - opened before the try: a failed open removes nothing
+    try:
+        f = open(temporary, mode, encoding=encoding)  # noqa: SIM115 - opened before the try: a failed open removes nothing
+    except OSError as exc:
+        _raise_about(exc, path)
     try:
         with f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as exc:
         os.remove(temporary)
+        if isinstance(exc, OSError) and exc.filename in (None, temporary):  # a write of this file
+            _raise_about(exc, path)
         raise
+
+
+def _raise_about(exc: OSError, path: str) -> NoReturn:
+    """Raise ``exc``, a failed write of the file that becomes ``path``, as the system's
+    error about ``path`` (the name the caller gave, not its temporary's); as it is
+    where it has no error number."""
+    if exc.errno is None:
+        raise exc
+    raise OSError(exc.errno, exc.strerror, path) from exc  # the subclass of the number: PermissionError, ...
 
 
 def link_atomically(source: str, path: str) -> None:
