@@ -19,7 +19,7 @@ from dilated_attention import dilated_attention
 from dilated_attention.reference import branch_offsets, branch_pattern
 from dilated_attention.tools.benchmark import PeakMemory, attended_pairs
 from dilated_attention.tools.cli import main
-from dilated_attention.utils.files import atomic_write, fresh_folder
+from dilated_attention.utils.files import atomic_write, fresh_folder, link_atomically
 from helpers import configs
 
 MACHINE = benchmark.machine_slug(torch.device("cpu"))  # results files name the machine
@@ -269,8 +269,18 @@ def test_a_failed_write_names_the_file_asked_for_not_its_temporary(tmp_path, mon
         assert raised.value.errno == code and raised.value.filename == str(path)
         assert str(path) in str(raised.value) and ".tmp" not in str(raised.value)
         assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
-    # an error without a number (no system call's) and one of another file the caller's
-    # block reads are left as they are
+    # a refused rename of a link's temporary name, as link_atomically makes
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", refused)
+        with pytest.raises(PermissionError) as raised:
+            link_atomically(str(path), str(tmp_path / "copy.json"))
+    assert raised.value.filename == str(tmp_path / "copy.json") and os.listdir(tmp_path) == ["out.json"]
+    # errors of the caller's block that name no file (they may be another file's), or
+    # another file, or have no number (no system call's), are left as they are
+    with pytest.raises(BrokenPipeError) as raised, atomic_write(str(path)) as f:  # noqa: PT012
+        f.write("new")
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+    assert raised.value.filename is None and raised.value.__cause__ is None
     with pytest.raises(OSError, match=r"^disk full$") as raised, atomic_write(str(path)) as f:  # noqa: PT012
         f.write("new")
         raise OSError("disk full")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -35,26 +36,29 @@ def atomic_write(path: str, binary: bool = False) -> Iterator[IO]:
         f = open(temporary, mode, encoding=encoding)  # noqa: SIM115 - opened before the try: a failed open removes nothing
     except OSError as exc:
         _raise_about(exc, path)
+    in_body = True  # the caller's block runs (its errors may be other files')
     try:
         with f:
             yield f
+            in_body = False
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
     except BaseException as exc:
         os.remove(temporary)
-        if isinstance(exc, OSError) and exc.filename in (None, temporary):  # a write of this file
+        if isinstance(exc, OSError) and (exc.filename == temporary or (exc.filename is None and not in_body)):
             _raise_about(exc, path)
         raise
 
 
 def _raise_about(exc: OSError, path: str) -> NoReturn:
     """Raise ``exc``, a failed write of the file that becomes ``path``, as the system's
-    error about ``path`` (the name the caller gave, not its temporary's); as it is
-    where it has no error number."""
-    if exc.errno is None:
+    error about ``path`` (the name the caller gave, not its temporary's). As it is where
+    that would lose something: no error number, a class of its own (not Python's, which
+    the number picks again), or a name too long (the temporary's, which is longer)."""
+    if exc.errno in (None, errno.ENAMETOOLONG) or type(exc).__module__ != "builtins":
         raise exc
-    raise OSError(exc.errno, exc.strerror, path) from exc  # the subclass of the number: PermissionError, ...
+    raise OSError(exc.errno, exc.strerror, path) from exc  # the class of the number: PermissionError, ...
 
 
 def link_atomically(source: str, path: str) -> None:
@@ -69,6 +73,8 @@ def link_atomically(source: str, path: str) -> None:
         return
     try:
         os.replace(temporary, path)
+    except OSError as exc:
+        _raise_about(exc, path)
     finally:
         # Where ``path`` already names the file (a kill between the link and the next
         # write leaves two names for it), rename does nothing (POSIX) and leaves the
