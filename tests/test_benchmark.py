@@ -281,6 +281,23 @@ def test_a_failed_write_names_the_file_asked_for_not_its_temporary(tmp_path, mon
         f.write("new")
         raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
     assert raised.value.filename is None and raised.value.__cause__ is None
+
+    class Refusal(OSError):  # another library's error class (its own fields): kept
+        pass
+
+    def refusing(fd):
+        raise Refusal(errno.EIO, "refused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", refusing)
+        with pytest.raises(Refusal) as raised, atomic_write(str(path)) as f:
+            f.write("new")
+    assert raised.value.filename is None and os.listdir(tmp_path) == ["out.json"]
+    # a name that fits, whose temporary's (longer) does not: the error names the temporary
+    long_name = tmp_path / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 8))
+    with pytest.raises(OSError, match="too long") as raised, atomic_write(str(long_name)):
+        pass
+    assert raised.value.errno == errno.ENAMETOOLONG and raised.value.filename.endswith(".tmp")
     with pytest.raises(OSError, match=r"^disk full$") as raised, atomic_write(str(path)) as f:  # noqa: PT012
         f.write("new")
         raise OSError("disk full")
