@@ -29,7 +29,9 @@ def atomic_write(path: str, binary: bool = False) -> Iterator[IO]:
     """Open a new temporary file beside ``path`` for writing; when the ``with`` block
     ends without error, replace ``path`` by it (``os.replace``), else delete it.
 
-    A reader of ``path`` sees the old file or the new one, never part of one."""
+    A reader of ``path`` sees the old file or the new one, never part of one. A write
+    of it that fails (a full disk, a refused rename) raises the system's error about
+    ``path``; the block's own errors pass as they are, but those naming the temporary."""
     temporary = temporary_path(path)
     mode, encoding = ("xb", None) if binary else ("x", "utf-8")
     try:
