@@ -395,9 +395,7 @@ class DilatedKVCache(CacheSettings):
         length = k.shape[1]
         kept = self._kept
         if flags is not None and self._bad is None:
-            self._bad = torch.zeros(
-                self._k.shape[0], self._k.shape[2], self._k.shape[1], dtype=torch.bool, device=self.device
-            )
+            self._bad = self._no_flags_yet()
         capacity = self._k.shape[2]
         # New buffers when full, far too large, or made in (or out of) inference mode
         # and now written out of (or in) it.
@@ -423,6 +421,11 @@ class DilatedKVCache(CacheSettings):
         self._unchecked = 0 if checked else self._unchecked + length
         return first
 
+    def _no_flags_yet(self) -> torch.Tensor:
+        """Flags ``(B, slots, H)`` of the buffers' slots, none set (made when a first
+        row is to be flagged)."""
+        return torch.zeros(self._k.shape[0], self._k.shape[2], self._k.shape[1], dtype=torch.bool, device=self.device)
+
     def _check_appended(self) -> None:
         """Flag the non-finite rows among the slots the fused launches appended
         unchecked, before a path that trusts the flags reads them (one scan, once)."""
@@ -431,9 +434,7 @@ class DilatedKVCache(CacheSettings):
             flags = nonfinite_rows(*(t[:, :, slots].transpose(1, 2) for t in (self._k, self._v)))
             if flags is not None:
                 if self._bad is None:
-                    self._bad = torch.zeros(
-                        self._k.shape[0], self._k.shape[2], self._k.shape[1], dtype=torch.bool, device=self.device
-                    )
+                    self._bad = self._no_flags_yet()
                 elif self._bad.is_inference() and not torch.is_inference_mode_enabled():
                     self._bad = self._bad.clone()  # made in inference mode: not writable outside it
                 self._bad[:, slots] = flags
