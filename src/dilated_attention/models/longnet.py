@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..nn.cache import DilatedKVCache, check_batch
 from ..nn.modules import MultiheadDilatedAttention, sequence_positions
-from ..nn.rotary import RotaryEmbedding, check_positions
+from ..nn.rotary import RotaryEmbedding, check_rotary_positions
 from ..nn.static_cache import StaticKVCache
 from ..ops import validation
 from .config import LongNetConfig
@@ -202,7 +202,7 @@ class LongNetLM(nn.Module):
             if cache is not None:
                 check_batch(cache.layers[0].shape[0], tokens.shape[0], "tokens")
             if positions is not None and process_group is not None:  # else rotary checks them
-                check_positions(positions, *tokens.shape)
+                check_rotary_positions(positions, *tokens.shape)
         if positions is None:
             positions = sequence_positions(tokens.shape[1], tokens.device, cache, process_group)
         x = self.dropout(self.embedding(tokens) * math.sqrt(self.config.dim))

@@ -12,7 +12,7 @@ from ..functional import dilated_attention
 from ..ops import validation
 from .cache import DilatedKVCache, check_batch
 from .ordering import ORDERS, grid_permutations, permute
-from .rotary import RotaryEmbedding, check_positions
+from .rotary import RotaryEmbedding, check_rotary_positions
 from .static_cache import StaticKVCache
 
 
@@ -343,7 +343,7 @@ class MultiheadDilatedAttention(nn.Module):
             if cache is not None:
                 self._check_cache(cache, query.shape[0], is_causal, key_padding_mask, process_group)
             if positions is not None and process_group is not None:  # else rotary checks them
-                check_positions(positions, query.shape[0], query.shape[1])
+                check_rotary_positions(positions, query.shape[0], query.shape[1])
         return query, key, value
 
     def forward(

@@ -38,7 +38,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"x must have shape (batch, seq_len, heads, head_dim={self.head_dim}), got {tuple(x.shape)}"
             )
-        check_positions(positions, x.shape[0], x.shape[1])
+        check_rotary_positions(positions, x.shape[0], x.shape[1])
         half = self.head_dim // 2
         exponents = torch.arange(half, dtype=torch.float64, device=x.device) * (-2.0 / self.head_dim)
         angles = positions.to(x.device, torch.float64)[..., None] * torch.pow(self.base, exponents)
@@ -56,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, base={self.base}"
 
 
-def check_positions(positions, batch: int, length: int) -> None:
+def check_rotary_positions(positions, batch: int, length: int) -> None:
     """``positions`` must be an integer tensor ``(length,)`` or ``(batch, length)``."""
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"positions must be a tensor of integer positions, got {validation.type_name(positions)}")
