@@ -7,8 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dilated_attention import dilated_attention, reference_dilated_attention
+from dilated_attention.ops.plan import window_start_needed
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
-from helpers import random_inputs, split_config, windows
+from helpers import configs, random_inputs, split_config, windows
 
 
 def window_of(tensors, mask, total, queries, start):
@@ -40,6 +41,30 @@ def test_window_rows_equal_the_whole_sequence_rows(case):
     grads = torch.autograd.grad((out, lse), (q, k, v), cotangents)
     ref_grads = torch.autograd.grad((ref, ref_lse), (q, k, v), cotangents)
     assert max_relative_error(grads, ref_grads) <= 1e-10
+
+
+@given(configs(max_len=40, grouped_query=True), st.data())
+def test_a_window_without_is_causal_is_the_tail_of_the_whole_sequence(cfg, data):
+    """Without ``is_causal`` (``Lq = Lk``): rows ``a ..`` of the whole sequence's call,
+    where ``a`` starts a segment in every branch; output, LSE and gradients."""
+    cfg = dict(cfg, is_causal=False)
+    inputs, attn = split_config(cfg)
+    tensors, (grad, grad_lse), mask = random_inputs(**inputs)
+    starts = [a for a in range(cfg["seq_len"]) if window_start_needed(a, cfg["segment_lengths"]) == a]
+    start = data.draw(st.sampled_from(starts))
+    whole, whole_lse = reference_dilated_attention(*tensors, key_padding_mask=mask, **attn)
+    q, k, v = (t.detach()[:, start:].clone().requires_grad_() for t in tensors)
+    window_mask = None if mask is None else mask[:, start:]
+    out, lse = dilated_attention(q, k, v, key_padding_mask=window_mask, key_offset=start, return_lse=True, **attn)
+    assert max_relative_error(out, whole[:, start:]) <= 1e-10
+    assert lse_error(lse, whole_lse[:, start:]) <= 1e-10
+    ref, ref_lse = reference_dilated_attention(q, k, v, key_padding_mask=window_mask, key_offset=start, **attn)
+    cotangents = (grad[:, start:], grad_lse[:, start:])
+    grads = torch.autograd.grad((out, lse), (q, k, v), cotangents)
+    assert max_relative_error(grads, torch.autograd.grad((ref, ref_lse), (q, k, v), cotangents)) <= 1e-10
+    if start + 1 < cfg["seq_len"] and window_start_needed(start + 1, cfg["segment_lengths"]) != start + 1:
+        with pytest.raises(ValueError, match="key_offset"):  # a window that starts inside a segment
+            dilated_attention(q[:, 1:], k[:, 1:], v[:, 1:], key_offset=start + 1, **attn)
 
 
 @given(windows(max_len=32), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
