@@ -9,6 +9,8 @@ from dilated_attention.tools.check import max_relative_error
 from helpers import random_inputs
 
 SEGS, RATES = [8, 16], [1, 2]
+# Compiling warns of nothing (a warning per call site would reach every user's log)
+pytestmark = pytest.mark.filterwarnings("error::UserWarning")
 
 
 def attention(q, k, v, mask):
@@ -124,3 +126,20 @@ def test_compiled_key_window_follows_changing_key_offsets():
     q, k, v = (torch.randn(1, n, 2, 4, generator=gen, dtype=torch.float64) for n in (3, 9, 9))
     for offset in (6, 18, 30):
         assert max_relative_error(compiled(q, k, v, offset), window(q, k, v, offset)) <= 1e-12
+
+
+def test_dynamic_true_traces_a_scale_argument_as_a_constant():
+    """``torch.compile(dynamic=True)`` traces float and int arguments and sizes as
+    symbols: the library reads the scale, the key offset and the sizes as constants (a
+    guard on each), so a scale given at each call (one that float32 rounds to 0
+    included) compiles without a graph break and gives the eager numbers."""
+    torch._dynamo.reset()
+
+    def scaled(q, k, v, scale, offset):
+        return dilated_attention(q, k, v, SEGS, RATES, is_causal=True, softmax_scale=scale, key_offset=offset)
+
+    compiled = torch.compile(scaled, backend="aot_eager", dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    for length, scale, offset in ((24, 0.3, 16), (33, 1e-50, 0)):
+        q, k, v = (torch.randn(2, length, 3, 4, generator=gen) for _ in range(3))
+        assert max_relative_error(compiled(q, k, v, scale, offset), scaled(q, k, v, scale, offset)) <= 1e-6

@@ -7,7 +7,6 @@ import functools
 import math
 import numbers
 import operator
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,7 +76,8 @@ def check_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tu
     if type(segment_lengths) in plain and type(dilation_rates) in plain:
         both = (*segment_lengths, *dilation_rates)
         if all(type(value) is int for value in both):  # as most calls give them: checked once
-            return _checked_int_branches(tuple(segment_lengths), tuple(dilation_rates))
+            checked = _checked_int_branches.__wrapped__ if torch.compiler.is_compiling() else _checked_int_branches
+            return checked(tuple(segment_lengths), tuple(dilation_rates))  # compiled: traced once
     return _check_branches(segment_lengths, dilation_rates)
 
 
@@ -157,8 +157,8 @@ def check_scale(softmax_scale, head_dim: int) -> float:
         return head_dim**-0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a float or None, got {type_name(softmax_scale)}")
-    try:
-        scale = float(softmax_scale)
+    try:  # through hex and back: a constant, also where torch.compile(dynamic=True) traces floats as symbols
+        scale = float.fromhex(float(softmax_scale).hex())
     except OverflowError:
         scale = math.inf
     if not math.isfinite(scale):
@@ -169,6 +169,20 @@ def check_scale(softmax_scale, head_dim: int) -> float:
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
+def to_float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (ties to even, subnormals included), an
+    infinity where it overflows: what ``struct.pack("f", x)`` keeps, in arithmetic that
+    ``torch.compile`` also traces where ``x`` is a symbolic float (``dynamic=True``)."""
+    if x == 0:
+        return x
+    mantissa, exponent = math.frexp(x)  # x = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
+    if exponent > 128:  # at least 2**128, beyond float32's largest (1 - 2**-24) * 2**128
+        return math.copysign(math.inf, x)
+    bits = min(24, exponent + 149)  # float32 keeps 24 bits, down to a quantum of 2**-149
+    rounded = math.copysign(math.ldexp(round(math.ldexp(abs(mantissa), bits)), exponent - bits), x)
+    return rounded if abs(rounded) <= FLOAT32_MAX else math.copysign(math.inf, x)
+
+
 def kernel_scale(scale: float, dtype: torch.dtype) -> float:
     """``scale`` as the kernels use it for inputs of ``dtype``: they compute scores of
     float32, float16 and bfloat16 inputs in float32, so it is rounded to float32
@@ -177,10 +191,7 @@ def kernel_scale(scale: float, dtype: torch.dtype) -> float:
     scores) is."""
     if dtype == torch.float64:
         return scale
-    try:
-        rounded = struct.unpack("f", struct.pack("f", scale))[0]
-    except OverflowError:
-        rounded = math.inf
+    rounded = to_float32(scale)
     if math.isinf(rounded) or abs(rounded) * math.log2(math.e) > FLOAT32_MAX:
         raise ValueError(
             f"softmax_scale={scale} does not fit float32, in which the scores of {dtype} inputs "
