@@ -128,18 +128,24 @@ def test_compiled_key_window_follows_changing_key_offsets():
         assert max_relative_error(compiled(q, k, v, offset), window(q, k, v, offset)) <= 1e-12
 
 
-def test_dynamic_true_traces_a_scale_argument_as_a_constant():
+def test_dynamic_true_traces_float_arguments_as_constants():
     """``torch.compile(dynamic=True)`` traces float and int arguments and sizes as
-    symbols: the library reads the scale, the key offset and the sizes as constants (a
-    guard on each), so a scale given at each call (one that float32 rounds to 0
-    included) compiles without a graph break and gives the eager numbers."""
+    symbols: the library reads the scale, the dropout rate, the key offset and the
+    sizes as constants (a guard on each), so a scale given at each call (one that
+    float32 rounds to 0 included) compiles without a graph break and gives the eager
+    numbers, dropout masks included."""
     torch._dynamo.reset()
 
-    def scaled(q, k, v, scale, offset):
-        return dilated_attention(q, k, v, SEGS, RATES, is_causal=True, softmax_scale=scale, key_offset=offset)
+    def scaled(q, k, v, scale, offset, p):
+        return dilated_attention(
+            q, k, v, SEGS, RATES, is_causal=True, softmax_scale=scale, key_offset=offset, dropout_p=p
+        )
 
     compiled = torch.compile(scaled, backend="aot_eager", dynamic=True, fullgraph=True)
     gen = torch.Generator().manual_seed(0)
-    for length, scale, offset in ((24, 0.3, 16), (33, 1e-50, 0)):
-        q, k, v = (torch.randn(2, length, 3, 4, generator=gen) for _ in range(3))
-        assert max_relative_error(compiled(q, k, v, scale, offset), scaled(q, k, v, scale, offset)) <= 1e-6
+    for length, scale, offset, p in ((24, 0.3, 16, 0.0), (33, 1e-50, 0, 0.25)):
+        args = (*(torch.randn(2, length, 3, 4, generator=gen) for _ in range(3)), scale, offset, p)
+        torch.manual_seed(1)
+        out = compiled(*args)
+        torch.manual_seed(1)
+        assert max_relative_error(out, scaled(*args)) <= 1e-6

@@ -152,13 +152,20 @@ def check_dropout(dropout_p, name: str = "dropout_p") -> float:
     return value
 
 
+def constant_float(value) -> float:
+    """``float(value)`` as a constant also where ``torch.compile(dynamic=True)`` traces
+    float arguments as symbols: the round trip through ``float.hex`` makes it read the
+    value (a guard), so checks on it and the kernels see a number, not a symbol."""
+    return float.fromhex(float(value).hex())
+
+
 def check_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return head_dim**-0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a float or None, got {type_name(softmax_scale)}")
-    try:  # through hex and back: a constant, also where torch.compile(dynamic=True) traces floats as symbols
-        scale = float.fromhex(float(softmax_scale).hex())
+    try:
+        scale = constant_float(softmax_scale)
     except OverflowError:
         scale = math.inf
     if not math.isfinite(scale):
