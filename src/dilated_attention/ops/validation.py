@@ -7,6 +7,7 @@ import functools
 import math
 import numbers
 import operator
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -176,29 +177,19 @@ def check_scale(softmax_scale, head_dim: int) -> float:
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def to_float32(x: float) -> float:
-    """``x`` rounded to the nearest float32 (ties to even, subnormals included), an
-    infinity where it overflows: what ``struct.pack("f", x)`` keeps, in arithmetic that
-    ``torch.compile`` also traces where ``x`` is a symbolic float (``dynamic=True``)."""
-    if x == 0:
-        return x
-    mantissa, exponent = math.frexp(x)  # x = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
-    if exponent > 128:  # at least 2**128, beyond float32's largest (1 - 2**-24) * 2**128
-        return math.copysign(math.inf, x)
-    bits = min(24, exponent + 149)  # float32 keeps 24 bits, down to a quantum of 2**-149
-    rounded = math.copysign(math.ldexp(round(math.ldexp(abs(mantissa), bits)), exponent - bits), x)
-    return rounded if abs(rounded) <= FLOAT32_MAX else math.copysign(math.inf, x)
-
-
 def kernel_scale(scale: float, dtype: torch.dtype) -> float:
     """``scale`` as the kernels use it for inputs of ``dtype``: they compute scores of
     float32, float16 and bfloat16 inputs in float32, so it is rounded to float32
     (a tiny scale becomes 0, which the kernels must know); one too large for float32
     is refused, as is one whose product with ``log2(e)`` (the Triton kernels' base-2
     scores) is."""
+    scale = constant_float(scale)  # a symbol again after a graph break under torch.compile(dynamic=True)
     if dtype == torch.float64:
         return scale
-    rounded = to_float32(scale)
+    try:
+        rounded = struct.unpack("f", struct.pack("f", scale))[0]
+    except OverflowError:
+        rounded = math.inf
     if math.isinf(rounded) or abs(rounded) * math.log2(math.e) > FLOAT32_MAX:
         raise ValueError(
             f"softmax_scale={scale} does not fit float32, in which the scores of {dtype} inputs "
