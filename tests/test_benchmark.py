@@ -552,8 +552,8 @@ def test_bench_names_the_kernels_and_the_floor_of_each_row(tmp_path):
     rows = {row["impl"]: row for row in result["rows"]}
     assert set(rows) == {"dense", "mixture", "mixture-torch"}
     assert rows["mixture-torch"]["kernels"].startswith("torch (CpuFlashKernel")
+    cfg = benchmark.BenchConfig(seq_lens=[64], segment_lengths=[16], dilation_rates=[1], heads=1, head_dim=8)
     for row in rows.values():  # the larger of the FLOPs at the matmul's speed and the bytes at the copy's
-        cfg = benchmark.BenchConfig(seq_lens=[64], segment_lengths=[16], dilation_rates=[1], heads=1, head_dim=8)
         gflop = 4 * 8 * benchmark.work_of(row["impl"], 64, cfg)[1] / 1e9
         expected = 1e3 * max(gflop / result["matmul_gflops"], row["io_bytes"] / 1e9 / result["copy_gbps"])
         assert row["fwd_floor_ms"] == pytest.approx(expected, rel=1e-12) and expected > 0

@@ -194,6 +194,13 @@ def _part(first: int, stop: int, segment_start: int, offset: int, rate: int, ori
     return Rows.strided(first - origin + local_offset, count, rate, heads) if count else None
 
 
+def uncached_when_compiling(cached):
+    """``cached`` (an ``lru_cache`` function), or the function under it while
+    ``torch.compile`` traces: dynamo would trace through the cache anyway (once per
+    compilation), with a warning at every call site."""
+    return cached.__wrapped__ if torch.compiler.is_compiling() else cached
+
+
 @functools.lru_cache(maxsize=4096)
 def key_heads(
     heads: tuple[int, int, int], groups: int
@@ -239,8 +246,7 @@ def make_plan(
     step finds its plan made after at most ``lcm(segment_lengths)`` steps)."""
     num_keys = num_queries if num_keys is None else num_keys
     key_offset %= math.lcm(*segment_lengths)  # (clamping w to the sequence changes no segment)
-    plan = _make_plan.__wrapped__ if torch.compiler.is_compiling() else _make_plan  # compiled: traced once
-    return plan(
+    return uncached_when_compiling(_make_plan)(
         num_queries,
         num_heads,
         tuple(segment_lengths),

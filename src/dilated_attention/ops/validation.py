@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import HEAD_OFFSETS, MODES, window_start_needed
+from .plan import HEAD_OFFSETS, MODES, uncached_when_compiling, window_start_needed
 
 # The dtypes the library computes in, by name (as the command line spells them).
 FLOAT_DTYPES = {
@@ -77,8 +77,7 @@ def check_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], tu
     if type(segment_lengths) in plain and type(dilation_rates) in plain:
         both = (*segment_lengths, *dilation_rates)
         if all(type(value) is int for value in both):  # as most calls give them: checked once
-            checked = _checked_int_branches.__wrapped__ if torch.compiler.is_compiling() else _checked_int_branches
-            return checked(tuple(segment_lengths), tuple(dilation_rates))  # compiled: traced once
+            return uncached_when_compiling(_checked_int_branches)(tuple(segment_lengths), tuple(dilation_rates))
     return _check_branches(segment_lengths, dilation_rates)
 
 
