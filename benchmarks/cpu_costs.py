@@ -8,12 +8,14 @@ one process, the median of each side's times:
 
 - fresh memory: a ``torch.full`` of the output's size on memory glibc maps afresh,
   against a ``fill_`` of an existing tensor (the page faults of first touch);
-- the kernel calls of a ``head_groups`` forward as the engine makes them (strided
-  views of the dilated rows, keys and values packed by the kernel wrapper) against
-  the same calls on contiguous copies, and the kernel's own contiguous batch of the
-  first branch (per segment and head of ``2048 x 2048`` rows);
-- a forward of each mode with the key packing (``ops.kernels._packed_keys``) against
-  one without it;
+- PyTorch's op on the kernel calls of a ``head_groups`` forward as the engine makes
+  them (strided views of the dilated rows) against the same calls on contiguous
+  copies, and the kernel's own contiguous batch of the first branch (per segment and
+  head of ``2048 x 2048`` rows);
+- a forward of each mode with the packing of long queries' inputs
+  (``ops.kernels._packed_inputs``) against one without it;
+- a forward and backward of each mode in kernel calls of at most ``2^20`` output
+  elements (``functional.MAX_CALL_ELEMENTS``, the engine's) against ``2^22``;
 - a ``head_groups`` forward before and after a ``PeakMemory`` measurement in the same
   process (its glibc settings last for the rest of a process), in a fresh process;
 - PyTorch's huge-page allocation (``THP_MEM_ALLOC_ENABLE=1``: blocks of 2 MiB and more
@@ -33,7 +35,7 @@ import sys
 
 import torch
 
-from dilated_attention import dilated_attention
+from dilated_attention import dilated_attention, functional
 from dilated_attention.ops import kernels
 from dilated_attention.tools import benchmark
 from dilated_attention.tools.arguments import positive_int, threads
@@ -71,7 +73,8 @@ def fresh_memory(repeats: int) -> dict:
 
 
 def kernel_calls(repeats: int) -> dict:
-    """Each kernel call of a head_groups forward, as made and on contiguous copies."""
+    """PyTorch's op on each kernel call of a head_groups forward: on the views the
+    engine makes and on contiguous copies."""
     calls = []
     made = kernels.CpuFlashKernel.forward
 
@@ -86,14 +89,15 @@ def kernel_calls(repeats: int) -> dict:
             forward("head_groups", q, k, v)()
     finally:
         kernels.CpuFlashKernel.forward = staticmethod(made)
+    op = kernels._aten._scaled_dot_product_flash_attention_for_cpu
+    distinct = {(tuple(c[0].shape), c[0].stride()): c for c in calls}  # calls alike but for their rows
     rows = []
     with torch.no_grad():
-        for cq, ck, cv, is_causal, scale in calls:
+        for cq, ck, cv, is_causal, scale in distinct.values():
             packed = [t.contiguous() for t in (cq, ck, cv)]
-            flags = (None, is_causal, scale)
             as_made, contiguous = alternating(
-                lambda views=(cq, ck, cv), flags=flags: made(*views, *flags),
-                lambda packed=packed, flags=flags: made(*packed, *flags),
+                lambda views=(cq, ck, cv), is_causal=is_causal, scale=scale: op(*views, 0.0, is_causal, scale=scale),
+                lambda packed=packed, is_causal=is_causal, scale=scale: op(*packed, 0.0, is_causal, scale=scale),
                 repeats,
             )
             units = cq.shape[0] * cq.shape[1] * cq.shape[2] * ck.shape[2] / 2048**2
@@ -114,7 +118,7 @@ def kernel_calls(repeats: int) -> dict:
 
 
 def packing(repeats: int) -> dict:
-    packed_keys = kernels._packed_keys
+    packed_inputs = kernels._packed_inputs
     q, k, v = inputs()
     found = {}
     with torch.no_grad():
@@ -122,14 +126,36 @@ def packing(repeats: int) -> dict:
             call = forward(mode, q, k, v)
 
             def unpacked(call=call):
-                kernels._packed_keys = lambda q, k, v: (k, v)
+                kernels._packed_inputs = lambda q, k, v: (q, k, v)
                 try:
                     call()
                 finally:
-                    kernels._packed_keys = packed_keys
+                    kernels._packed_inputs = packed_inputs
 
             with_packing, without = alternating(call, unpacked, repeats)
             found[mode] = {"packed_ms": 1e3 * with_packing, "unpacked_ms": 1e3 * without}
+    return found
+
+
+def call_sizes(repeats: int, sizes=(2**20, 2**22)) -> dict:
+    """A forward and backward of each mode with kernel calls of at most ``sizes``
+    output elements (``functional.MAX_CALL_ELEMENTS``), alternating: ms by size."""
+    budget = dict(functional.MAX_CALL_ELEMENTS)
+    q, k, v = (t.requires_grad_() for t in inputs())
+    grad = torch.randn_like(q)
+    found = {}
+    for mode in ("head_groups", "mixture"):
+        call = forward(mode, q, k, v)
+
+        def sized(elements: int, call=call):
+            functional.MAX_CALL_ELEMENTS["cpu"] = elements
+            try:
+                torch.autograd.grad(call(), (q, k, v), grad)
+            finally:
+                functional.MAX_CALL_ELEMENTS.update(budget)
+
+        times = alternating(lambda: sized(sizes[0]), lambda: sized(sizes[1]), repeats)
+        found[mode] = {str(size): 1e3 * t for size, t in zip(sizes, times, strict=True)}
     return found
 
 
@@ -234,8 +260,8 @@ def main() -> int:
         f"fill_ of an existing tensor {memory['existing_ms']:.1f} ms"
     )
     calls = kernel_calls(args.repeats)
-    say("\nhead_groups kernel calls: as the engine makes them (strided query views, keys and values packed) and")
-    say("on contiguous copies; ms per (segment, head) of 2048 x 2048 rows in brackets")
+    say("\nhead_groups kernel calls, PyTorch's op alone: on the strided views the engine makes and on")
+    say("contiguous copies (each kind of call once); ms per (segment, head) of 2048 x 2048 rows in brackets")
     for row in calls["calls"]:
         units = row["units"]
         say(
@@ -245,12 +271,17 @@ def main() -> int:
         )
     say(f"  the kernel's own contiguous batch {tuple(calls['kernel_batch'])}: ({calls['kernel_ms_per_unit']:.2f})")
     packed = packing(args.repeats)
-    say("\nforward with the keys and values packed, and without the packing:")
+    say("\nforward with long queries' inputs packed, and without the packing:")
     for mode, row in packed.items():
         say(
             f"  {mode:12} packed {row['packed_ms']:.0f} ms, unpacked {row['unpacked_ms']:.0f} ms "
             f"(unpacked / packed {row['unpacked_ms'] / row['packed_ms']:.3f})"
         )
+    sizes = call_sizes(args.repeats)
+    say("\nforward and backward with kernel calls of at most 2^20 and 2^22 output elements (the engine's: 2^20):")
+    for mode, row in sizes.items():
+        small, large = row[str(2**20)], row[str(2**22)]
+        say(f"  {mode:12} 2^20 {small:.0f} ms, 2^22 {large:.0f} ms (2^22 / 2^20 {large / small:.3f})")
     peak = after_peak_memory(args.repeats)
     say(
         f"\nhead_groups forward in a fresh process: {peak['before_ms']:.0f} ms, after one PeakMemory "
@@ -280,6 +311,7 @@ def main() -> int:
         "fresh_memory": memory,
         "kernel_calls": calls,
         "packing": packed,
+        "call_sizes": sizes,
         "peak_memory": peak,
         "huge_pages": {"thp_mode": thp_mode, "rounds": args.rounds, **pages},
     }

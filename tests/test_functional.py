@@ -86,8 +86,8 @@ def test_blocks_cut_into_many_calls_match_reference(cfg, elements):
 
 
 @given(configs(grouped_query=True))
-def test_packed_keys_match_reference(cfg):
-    """The CPU kernel packs strided keys and values for long queries: here for all but
+def test_packed_inputs_match_reference(cfg):
+    """The CPU kernel packs strided queries, keys and values for long queries: here for all but
     the shortest, so that the hypothesis configurations reach it."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernels, "CPU_QUERY_BLOCK", 2)
@@ -95,9 +95,9 @@ def test_packed_keys_match_reference(cfg):
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_cpu_kernel_packs_strided_keys_of_long_queries(monkeypatch, is_causal):
+def test_cpu_kernel_packs_strided_inputs_of_long_queries(monkeypatch, is_causal):
     """Dilated ``(B, L, H, D)`` views of 300 query rows (more than one of the CPU kernel's
-    query blocks): the op receives packed keys and values, and the results are the
+    query blocks): the op receives packed queries, keys and values, and the results are the
     unfused kernel's, forward and backward, with a key padding bias."""
     gen = torch.Generator().manual_seed(7)
     q, k, v, out_grad = (torch.randn(2, 600, 3, 16, dtype=torch.float64, generator=gen) for _ in range(4))
@@ -111,11 +111,11 @@ def test_cpu_kernel_packs_strided_keys_of_long_queries(monkeypatch, is_causal):
     backward_op = kernels._aten._scaled_dot_product_flash_attention_for_cpu_backward
 
     def forward_spy(q, k, v, *args, **kwargs):
-        received.append((k.is_contiguous(), v.is_contiguous()))
+        received.append((q.is_contiguous(), k.is_contiguous(), v.is_contiguous()))
         return forward_op(q, k, v, *args, **kwargs)
 
     def backward_spy(grad, q, k, v, *args, **kwargs):
-        received.append((k.is_contiguous(), v.is_contiguous()))
+        received.append((q.is_contiguous(), k.is_contiguous(), v.is_contiguous()))
         return backward_op(grad, q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(kernels._aten, "_scaled_dot_product_flash_attention_for_cpu", forward_spy)
@@ -124,7 +124,7 @@ def test_cpu_kernel_packs_strided_keys_of_long_queries(monkeypatch, is_causal):
     grads = kernels.CpuFlashKernel.backward(out_grad, q, k, v, out, lse, bias, is_causal, 0.3)
     ref_out, ref_lse = MathKernel.forward(q, k, v, bias, is_causal, 0.3)
     ref_grads = MathKernel.backward(out_grad, q, k, v, ref_out, ref_lse, bias, is_causal, 0.3)
-    assert received == [(True, True), (True, True)] and not k.is_contiguous()
+    assert received == [(True, True, True)] * 2 and not (q.is_contiguous() or k.is_contiguous())
     assert max_relative_error(out, ref_out) <= 1e-12 and max_relative_error(lse, ref_lse) <= 1e-12
     assert max_relative_error(grads, ref_grads) <= 1e-12
 

@@ -13,11 +13,13 @@ from .ops.engine import DilatedAttentionFunction, EngineConfig, contiguous_last_
 from .ops.kernels import select_kernel
 from .ops.plan import Block, FusedPlan, branch_table, make_plan, partly_covered_heads
 
-# Largest output of one kernel call, in elements. On CPU 2**22 (16 MiB in float32):
-# large enough that per-call overhead is negligible, small enough that glibc serves
-# it from reused memory instead of mapping and faulting in fresh pages each call.
+# Largest output of one kernel call, in elements. On CPU 2**20 (4 MiB in float32):
+# large enough that per-call overhead is negligible, small enough that glibc serves a
+# call's temporaries (its output and packed inputs) from reused memory instead of
+# mapping and faulting in fresh pages each call (benchmarks/cpu_costs.py times a
+# forward and backward at 2**20 against 2**22).
 # Elsewhere the caching allocator reuses memory and larger calls keep a GPU busy.
-MAX_CALL_ELEMENTS = {"cpu": 2**22, "default": 2**28}
+MAX_CALL_ELEMENTS = {"cpu": 2**20, "default": 2**28}
 
 
 def dilated_attention(

@@ -193,22 +193,23 @@ def _refuse_dropout(kernel: type, dropout) -> None:
 CPU_QUERY_BLOCK = 256
 
 
-def _packed_keys(q, k, v):
-    """``k, v`` as contiguous copies where the CPU flash kernel reads them from more
-    than one query block and they are strided views (dilated or ``(B, L, H, D)``
-    rows): measured on a Xeon (2 threads, float32, 2048-row segments), rows ``H * D``
-    or ``2 * H * D`` elements apart made a forward 4-8% slower than contiguous ones,
-    and the dilated call with its keys packed first 4%; a backward 3%, packed 0%
-    (``benchmarks/cpu_costs.py`` times forwards with and without it). Short queries
-    (decode steps) read the keys once: they stay views."""
+def _packed_inputs(q, k, v):
+    """``q, k, v`` as contiguous copies (a copy only where one is a strided view:
+    dilated rows, or the ``(B, L, H, D)`` layout's rows ``H * D`` elements apart) when
+    the queries span more than one of the CPU flash kernel's query blocks, which read
+    every key and value again: the op ran 3 to 17% slower on such views than on
+    contiguous copies on an Intel Xeon VM, 1 to 4% on an AMD EPYC VM (2 threads,
+    float32, 2048-row segments; ``benchmarks/cpu_costs.py``). Short queries (decode
+    steps) read the keys once: all three stay views."""
     if q.shape[2] <= CPU_QUERY_BLOCK:
-        return k, v
-    return k.contiguous(), v.contiguous()
+        return q, k, v
+    return q.contiguous(), k.contiguous(), v.contiguous()
 
 
 class CpuFlashKernel:
-    """PyTorch's fused CPU flash attention (no dropout). Keys and values that long
-    queries read block after block are packed first (:func:`_packed_keys`)."""
+    """PyTorch's fused CPU flash attention (no dropout). The strided inputs of long
+    queries, whose keys and values it reads block after block, are packed first
+    (:func:`_packed_inputs`)."""
 
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype, dropout: bool) -> bool:
@@ -218,14 +219,14 @@ class CpuFlashKernel:
     def forward(q, k, v, bias, is_causal, scale, dropout=None):
         _refuse_dropout(CpuFlashKernel, dropout)
         q, scale, _ = _positive_scale(q, scale, is_causal)
-        k, v = _packed_keys(q, k, v)
+        q, k, v = _packed_inputs(q, k, v)
         return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, bias, is_causal, scale, dropout=None):
         _refuse_dropout(CpuFlashKernel, dropout)
         q, scale, sign = _positive_scale(q, scale, is_causal)
-        k, v = _packed_keys(q, k, v)
+        q, k, v = _packed_inputs(q, k, v)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=scale
         )
