@@ -11,7 +11,7 @@ from .ops import decode, fused, validation
 from .ops.dropout import draw_seed
 from .ops.engine import DilatedAttentionFunction, EngineConfig, contiguous_last_dim, nonfinite_rows
 from .ops.kernels import select_kernel
-from .ops.plan import Block, FusedPlan, branch_table, make_plan, partly_covered_heads
+from .ops.plan import Block, FusedPlan, branch_table, leaves_cells_unwritten, make_plan
 
 # Largest output of one kernel call, in elements. On CPU 2**20 (4 MiB in float32):
 # large enough that per-call overhead is negligible, small enough that glibc serves a
@@ -294,7 +294,7 @@ def _attend(
         query_position = key_offset + call.num_keys - num_queries
     cfg = EngineConfig(
         blocks=tuple(blocks),
-        unwritten_heads=tuple(partly_covered_heads(num_heads, call.dilation_rates, call.mode)),
+        unwritten_cells=leaves_cells_unwritten(call.dilation_rates, call.mode),
         max_call_elements=MAX_CALL_ELEMENTS.get(call.q.device.type, MAX_CALL_ELEMENTS["default"]),
         scale=validation.kernel_scale(call.scale, call.q.dtype),
         dropout_p=dropout,

@@ -41,8 +41,8 @@ class EngineConfig:
     """Everything about one call except the tensors.
 
     ``blocks``: the plan (see :func:`dilated_attention.ops.plan.make_plan`);
-    ``unwritten_heads``: head slices the fresh blocks do not fully write
-    (:func:`dilated_attention.ops.plan.partly_covered_heads`); ``max_call_elements``:
+    ``unwritten_cells``: whether the fresh blocks leave cells of the output unwritten
+    (:func:`dilated_attention.ops.plan.leaves_cells_unwritten`); ``max_call_elements``:
     a block is run in chunks of whole segments whose output has at most this many
     elements (at least one segment per call), which bounds the temporary memory
     and, on CPU, keeps it small enough to be reused rather than freshly paged in
@@ -57,7 +57,7 @@ class EngineConfig:
     """
 
     blocks: tuple[Block, ...]
-    unwritten_heads: tuple[slice, ...]
+    unwritten_cells: bool
     max_call_elements: int
     scale: float
     dropout_p: float
@@ -329,11 +329,11 @@ def _attend_backward(cfg: EngineConfig, call: _Call, grad, out, lse, lse_grad):
 
 
 def _buffer(shape, dtype, device, cfg: EngineConfig, fill: float) -> torch.Tensor:
-    """Uninitialised buffer, or ``fill`` throughout where the fresh blocks may not cover
-    some heads (``cfg.unwritten_heads``): one contiguous fill costs less than a strided
-    one of those heads (16 against 3 ms of a 600 ms ``head_groups`` forward at N=32768 on
-    a 2-core AMD EPYC)."""
-    if cfg.unwritten_heads:
+    """Uninitialised buffer, or ``fill`` throughout where the fresh blocks leave cells
+    unwritten (``cfg.unwritten_cells``), in one contiguous pass: most of a fill's time
+    is the page faults of fresh memory's first touch (``benchmarks/cpu_costs.py``),
+    which a fill of only the unwritten cells, on every page, would pay as well."""
+    if cfg.unwritten_cells:
         return torch.full(shape, fill, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 

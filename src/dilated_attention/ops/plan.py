@@ -438,14 +438,14 @@ def make_shard_plan(
     )
 
 
-def partly_covered_heads(num_heads: int, dilation_rates: Sequence[int], mode: str) -> list[slice]:
-    """Head slices in which the fresh blocks leave cells unwritten, which must be
+def leaves_cells_unwritten(dilation_rates: Sequence[int], mode: str) -> bool:
+    """Whether the fresh blocks leave cells of the output unwritten, which must then be
     initialised (output 0, LSE ``-inf``). A fresh branch with ``r = 1`` writes every
-    position of its heads (its segments tile the sequence); one with ``r > 1`` does not."""
+    position of its heads (its segments tile the sequence); one with ``r > 1`` does not.
+    In ``mixture`` every branch runs on every head, in ``head_groups`` on its own."""
     if mode == "mixture":
-        return [] if 1 in dilation_rates else [slice(0, num_heads)]
-    bounds = head_group_bounds(num_heads, len(dilation_rates))
-    return [slice(*bounds[i]) for i, r in enumerate(dilation_rates) if r > 1]
+        return 1 not in dilation_rates
+    return any(r > 1 for r in dilation_rates)
 
 
 # Query rows a fused program owns per tile (see BranchTable.row_step): the cost model
