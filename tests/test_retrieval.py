@@ -217,6 +217,33 @@ def test_train_with_a_task_then_evaluate_the_run(tmp_path, capsys):
         == 0
     )  # the passkey hides in the run's own text
     assert os.path.isfile(tmp_path / "elsewhere" / "retrieval-passkey.json")
+    too_far = str(tasks.RECALL_MAX_LENGTH)
+    assert main(["evaluate", "--run", run, "--task", "recall", "--max-distance", too_far, "--out", str(tmp_path / "x")])
+    assert "pass a smaller max_distance (--max-distance)" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")  # refused before any work
+
+
+def test_recall_examples_stop_where_their_distinct_keys_run_out(tmp_path, capsys):
+    longest, generator = tasks.RECALL_MAX_LENGTH, torch.Generator().manual_seed(3)
+    assert tasks.max_length("recall") == longest and tasks.max_length("passkey") is None
+    with pytest.raises(ValueError, match=f"of {longest + 1} bytes, but they hold at most {longest}"):
+        tasks.make_example("recall", longest + 1, 100, generator)
+    with pytest.raises(ValueError, match="context asks for recall examples"):
+        TrainSettings(task="recall", context=longest)  # each sequence comes with its next byte
+    assert TrainSettings(task="recall", context=longest - 1).context == longest - 1
+    assert TrainSettings(task="passkey", context=longest).context == longest
+    assert main(["train", "--out", str(tmp_path / "r"), "--task", "recall", "--context", str(longest)]) != 0
+    assert "context asks for recall examples" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "r")
+    # the longest example has a distinct key for every pair it may need, and its answer follows its fact
+    example = tasks.make_example("recall", longest, longest // 2, generator)
+    text = bytes(example.tokens.tolist())
+    pairs = text[:-4].split(b";")
+    values = {}
+    for pair in pairs[:-1]:
+        key, value = pair.strip().split(b"=")
+        assert values.setdefault(key, value) == value  # a repeated key keeps its value
+    assert len(text) == longest and values[pairs[-1].strip().rstrip(b"=")] == text[-4:]
 
 
 def test_evaluate_and_train_refuse_bad_task_options(tmp_path, capsys):
@@ -253,9 +280,9 @@ def test_evaluate_by_default_works_for_a_context_shorter_than_an_example(tmp_pat
         capsys.readouterr().err
     )
     assert os.listdir(tmp_path / "out") == ["retrieval-recall.png"]
-    assert main(["evaluate", "--run", run, "--task", "recall", "--max-distance", str(2**39)]) == 2
+    assert main(["evaluate", "--run", run, "--task", "passkey", "--max-distance", str(2**39)]) == 2
     err = capsys.readouterr().err
-    assert f"a forward pass over 8 examples of {2**39 + 10} bytes take" in err and "--max-distance" in err
+    assert f"a forward pass over 8 examples of {2**39 + 14} bytes take" in err and "--max-distance" in err
     assert main(["evaluate", "--run", run, "--task", "recall", "--max-distance", str(2**40)]) == 2
     assert "max_distance (--max-distance) must be in [11, 2**40)" in capsys.readouterr().err
     # a run trained on text that is gone (or came through a pipe, --data <(zcat ...)): --data gives it

@@ -193,6 +193,12 @@ def evaluate_run(
     if max_distance is None:
         max_distance = max(settings.context - tasks.min_length(task, 0), tasks.min_distance(task))
     max_distance = validation.check_int(max_distance, "max_distance (--max-distance)", tasks.min_distance(task), 2**40)
+    longest = max(settings.context, tasks.min_length(task, max(distances(task, max_distance))))
+    if longest > settings.context:
+        fix = "pass a smaller max_distance (--max-distance)"
+    else:
+        fix = f"examples are as long as the run's context ({settings.context} bytes) at least: evaluate passkey"
+    tasks.check_length(task, longest, "the evaluation", fix)
     if task != "passkey" and data is not None:
         raise ValueError(f"data (--data) is the text a passkey hides in: {task} takes none, drop it")
     if task == "passkey" and data is None:
@@ -213,7 +219,6 @@ def evaluate_run(
                 f"{stem + extension} is a folder where a result file goes: move it, or pass another out (--out)"
             )
         check_output_file(stem + extension, "the result file")
-    longest = max(settings.context, tasks.min_length(task, max(distances(task, max_distance))))
     device = torch.device(device or "cpu")
     check_fits(
         min(batch_size, examples) * longest * activation_bytes(config),

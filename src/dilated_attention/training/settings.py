@@ -74,6 +74,8 @@ class TrainSettings:
             setattr(self, name, validation.check_flag(getattr(self, name), name))
         if self.task is not None:
             self.task = tasks.check_task(self.task)
+            fix = "train on a shorter context, or on the passkey task"
+            tasks.check_length(self.task, self.context + 1, "context", fix)  # a sequence and its next byte
         self.task_fraction = validation.check_number(self.task_fraction, "task_fraction", 0, 1)
         if self.dtype not in AUTOCAST_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(AUTOCAST_DTYPES)}, got {self.dtype!r}")

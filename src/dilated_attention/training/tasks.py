@@ -7,7 +7,8 @@ question whose answer only the fact gives.
 - ``recall``: a stream of key-value pairs (`` qmzv=3071;``), some of them repeated
   later; at the end one key is repeated and its value must follow
   (`` qmzv=`` -> ``3071``). Keys are four lowercase letters, distinct within an
-  example; values four digits.
+  example (so an example is at most :func:`max_length` bytes, about 5 MB); values
+  four digits.
 
 The ``distance`` is the number of positions from the fact's first answer byte to
 the question's first answer byte: a model that attends back that far can copy the
@@ -32,6 +33,8 @@ PASSKEY_FACT, PASSKEY_QUESTION = b"\nPASSKEY" + MARK, b"\nPASSKEY" + MARK
 PASSKEY_DIGITS = 5
 RECALL_KEY, RECALL_VALUE = 4, 4
 _PAIR = 1 + RECALL_KEY + 1 + RECALL_VALUE + 1  # " qmzv=3071;"
+# A recall example draws length // _PAIR + 2 distinct keys, of 26**RECALL_KEY there are.
+RECALL_MAX_LENGTH = (26**RECALL_KEY - 1) * _PAIR - 1
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,22 @@ def min_length(task: str, distance: int) -> int:
     return fact + distance + answer_length(task)
 
 
+def max_length(task: str) -> int | None:
+    """The longest example of ``task`` (``None``: any length): a ``recall`` example's
+    keys are distinct four-letter words, and there are ``26**4`` of them."""
+    return None if check_task(task) == "passkey" else RECALL_MAX_LENGTH
+
+
+def check_length(task: str, length: int, name: str, fix: str) -> None:
+    """Refuse a ``length`` (named ``name``) beyond :func:`max_length`, saying ``fix``."""
+    longest = max_length(task)
+    if longest is not None and length > longest:
+        raise ValueError(
+            f"{name} asks for {task} examples of {length} bytes, but they hold at most {longest} "
+            f"(their keys are distinct four-letter words): {fix}"
+        )
+
+
 def chance(task: str) -> float:
     """The accuracy of guessing the answer: uniform digits."""
     return 10.0 ** -answer_length(task)
@@ -89,6 +108,7 @@ def make_example(
             f"length must be at least {min_length(task, distance)} for a {task} example at distance "
             f"{distance}, got {length}"
         )
+    check_length(task, length, "length", "pass a shorter length")
     if task == "passkey":
         return _passkey(length, distance, generator, filler)
     return _recall(length, distance, generator)
