@@ -417,7 +417,7 @@ def test_torch_func_transforms_are_refused_clearly_and_up_front():
     """The library's own refusal, before any work (not PyTorch's message about
     data-dependent control flow): even arguments it would refuse, or a cache, which
     stays as it was."""
-    from dilated_attention import DilatedKVCache
+    from dilated_attention import DilatedKVCache, StaticKVCache
 
     (q, k, v), _, _ = random_inputs(1, 1, 8, 2, 4)
     q, k, v = (t.detach() for t in (q, k, v))
@@ -427,16 +427,20 @@ def test_torch_func_transforms_are_refused_clearly_and_up_front():
         return dilated_attention(q, k, v, [4], [1]).square().sum()
 
     cache = DilatedKVCache(1, 2, 4, [4], [1], dtype=torch.float64)
+    static = StaticKVCache(1, 2, 4, [4], [1], dtype=torch.float64)
     for transformed in (
         lambda: torch.func.grad(loss)(q),
         lambda: torch.func.vmap(lambda q: dilated_attention(q, q, q, [4], [1]))(q[None]),
         lambda: torch.func.vmap(lambda q: dilated_attention(q, q, q, [4], [1, 2]))(q[None]),
         lambda: torch.func.jacrev(lambda k: dilated_attention(q, k, v, [4], [1], is_causal=True))(k),
         lambda: torch.func.vmap(lambda q: cache.attend(q, q, q))(q[None]),
+        lambda: torch.func.vmap(lambda q: static.attend(q, q, q))(q[None]),
+        lambda: torch.func.grad(lambda q: static.attend(q, k, v).sum())(q),
     ):
         with pytest.raises(RuntimeError, match=re.escape(refusal)):
             transformed()
     assert cache.position.tolist() == [0] and cache.nbytes == 0
+    assert static.position.tolist() == [0]
 
 
 @pytest.mark.parametrize("layout", ["bnhd", "bhnd"])

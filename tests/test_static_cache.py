@@ -197,6 +197,10 @@ def test_static_cache_matches_the_dynamic_one_and_reorders():
     rows = (q[[2, 0], 20:21], k[[2, 0], 20:21], v[[2, 0], 20:21])
     assert max_relative_error(static.attend(*rows), dynamic.attend(*rows)) <= 1e-5
     assert static.position.tolist() == [21, 21] and static.nbytes == static.max_nbytes()
+    for cache in (static, dynamic):
+        for chunk, error in ((0, ValueError), (-5, ValueError), (2.5, TypeError), (True, TypeError)):
+            with pytest.raises(error, match="chunk must be"):
+                cache.max_nbytes(chunk)
 
 
 @pytest.mark.parametrize("kind", [StaticKVCache, DilatedKVCache])

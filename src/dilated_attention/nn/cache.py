@@ -368,6 +368,7 @@ class DilatedKVCache(CacheSettings):
         """The most bytes :attr:`nbytes` can be right after a call with ``chunk``
         positions, however long the sequences: ``4 * (max(segment_lengths) - 1 + chunk)``
         positions of keys and values per sequence."""
+        chunk = validation.check_positive_int(chunk, "chunk")
         batch, heads, dim = self.shape
         positions = 4 * (max(self.segment_lengths) - 1 + chunk)
         return 2 * batch * positions * heads * dim * torch.empty((), dtype=self.dtype).element_size()

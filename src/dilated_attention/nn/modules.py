@@ -373,7 +373,9 @@ class MultiheadDilatedAttention(nn.Module):
 
         ``positions``: the absolute positions of the rows, ``(N,)`` or ``(B, N)`` ints,
         for ``rotary``; by default ``0 .. N-1``, this shard's with ``process_group``,
-        the cache's next ones with ``cache``.
+        the cache's next ones with ``cache``. Without ``rotary`` they are not read:
+        the segments are placed by the rows' places in the sequence (the shard's or the
+        cache's).
 
         ``cache``: a :class:`dilated_attention.DilatedKVCache` (or
         :class:`dilated_attention.StaticKVCache`) from :meth:`new_cache` (needs

@@ -121,7 +121,9 @@ class StaticKVCache(CacheSettings):
         return 2 * self._k.numel() * self._k.element_size()
 
     def max_nbytes(self, chunk: int = 1) -> int:
-        """:attr:`nbytes`: the rings never grow."""
+        """:attr:`nbytes`: the rings never grow (``chunk``: checked as
+        :meth:`dilated_attention.DilatedKVCache.max_nbytes` takes it)."""
+        validation.check_positive_int(chunk, "chunk")
         return self.nbytes
 
     def reorder(self, indices: torch.Tensor) -> None:
@@ -137,6 +139,7 @@ class StaticKVCache(CacheSettings):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The causal dilated attention output ``(B, L, H, D)`` of the next ``L <=
         max_chunk`` positions of every sequence, given their ``q, k, v`` ``(B, L, H, D)``."""
+        validation.refuse_torch_func()  # its rings are written in place, which no transform follows
         if not self._well_formed(q, k, v) or q.shape[1] > self.max_chunk:
             self._check_inputs(q, k, v, self.max_chunk)  # raises, saying what is wrong
         batch, heads, dim = self.shape
