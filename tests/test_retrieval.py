@@ -218,7 +218,8 @@ def test_train_with_a_task_then_evaluate_the_run(tmp_path, capsys):
     )  # the passkey hides in the run's own text
     assert os.path.isfile(tmp_path / "elsewhere" / "retrieval-passkey.json")
     too_far = str(tasks.RECALL_MAX_LENGTH)
-    assert main(["evaluate", "--run", run, "--task", "recall", "--max-distance", too_far, "--out", str(tmp_path / "x")])
+    refused = ["evaluate", "--run", run, "--task", "recall", "--max-distance", too_far, "--out", str(tmp_path / "x")]
+    assert main(refused) == 2
     assert "pass a smaller max_distance (--max-distance)" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x")  # refused before any work
 
