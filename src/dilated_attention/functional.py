@@ -214,11 +214,11 @@ def run(
     if fused.use_triton(call.q, dropout, exchange is not None, kernel):
         table = branch_table(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets)
         plan = FusedPlan(table, call.key_offsets, call.is_causal)
-        return _attend(call, call.key_offsets[0], None, dropout, seed, None, *checks, fused_plan=plan)
+        return _run_engine(call, call.key_offsets[0], None, dropout, seed, None, *checks, fused_plan=plan)
     groups = _rows_by_key_offset(call.key_offsets)
     if len(groups) == 1:
-        return _attend(call, call.key_offsets[0], None, dropout, seed, exchange, *checks)
-    parts = [_attend(call, offset, rows, dropout, seed, None, *checks) for offset, rows in groups]
+        return _run_engine(call, call.key_offsets[0], None, dropout, seed, exchange, *checks)
+    parts = [_run_engine(call, offset, rows, dropout, seed, None, *checks) for offset, rows in groups]
     order = torch.cat([torch.as_tensor(rows, device=call.q.device) for _, rows in groups]).argsort()
     return tuple(torch.cat(part)[order] for part in zip(*parts, strict=True))
 
@@ -259,7 +259,7 @@ def _rows_by_key_offset(key_offsets: tuple[int, ...]) -> list[tuple[int, tuple[i
     return [(offset, tuple(members)) for offset, members in rows.items()]
 
 
-def _attend(
+def _run_engine(
     call,
     key_offset: int,
     rows,

@@ -534,7 +534,7 @@ def _attend_rows(
         q, k, v, m = (t if picked is None or t is None else t[picked] for t in (query, key, value, mask))
         queries = slice(max(drop - first_query_slot, 0), num_queries)
         q = q if queries.start == 0 else q[:, :, queries]
-        result = _attend(q, k, v, m, drop, [starts[row] for row in rows], options, sinks, keys_finite)
+        result = _attend_group(q, k, v, m, drop, [starts[row] for row in rows], options, sinks, keys_finite)
         if every_row and queries.start == 0:  # every row and every query: the call's output as it is
             return result
         if out is None:  # the rows' first queries are padding (one padding length for all): they output 0
@@ -544,7 +544,7 @@ def _attend_rows(
     return out
 
 
-def _attend(
+def _attend_group(
     q, k, v, mask, drop: int, offsets: list[int], options, sinks=None, keys_finite: bool = False
 ) -> torch.Tensor:
     """``(B, H, Lq, D)``: :func:`dilated_attention` of one group of rows, whose first key
