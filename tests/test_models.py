@@ -116,6 +116,23 @@ def test_greedy_generation_follows_the_full_forward_argmax():
         assert torch.equal(model.generate(prompt, 30, temperature=0, cache=static), out)
 
 
+def test_a_refused_prompt_leaves_the_cache_as_it_was():
+    """A bad id in a later chunk of the prompt is refused before the first chunk goes
+    into the cache: a retry on the same cache is exact."""
+    torch.manual_seed(3)
+    model = LongNetLM(small_config()).double()
+    prompt = torch.randint(0, 37, (2, 40))
+    expected = model.generate(prompt, 4, temperature=0)
+    bad = prompt.clone()
+    bad[1, 30] = 37  # the second chunk of 16
+    for static in (False, True):
+        cache = model.new_cache(2, static=static)
+        with pytest.raises(ValueError, match=r"token ids must lie in \[0, vocab_size=37\)"):
+            model.generate(bad, 4, temperature=0, cache=cache)
+        assert cache.position.tolist() == [0, 0]
+        assert torch.equal(model.generate(prompt, 4, temperature=0, cache=cache), expected)
+
+
 def test_generation_restores_training_mode_and_repeats_with_a_seed():
     model = LongNetLM(small_config(dropout=0.1))
     prompt = torch.randint(0, 37, (7,))

@@ -95,12 +95,13 @@ def tiny(family, **changes):
         num_attention_heads=4,
         num_key_value_heads=2,
     )
+    common.update(changes)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, **changes))
+        model = LlamaForCausalLM(LlamaConfig(**common))
     elif family == "gemma":  # its default head_dim (256) is not hidden_size / heads
-        model = GemmaForCausalLM(GemmaConfig(**common, head_dim=8, **changes))
+        model = GemmaForCausalLM(GemmaConfig(**{"head_dim": 8, **common}))
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common, **changes))
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
     return model.double().eval()
 
 
@@ -463,6 +464,11 @@ def test_the_bounded_cache_needs_the_model_to_run_the_registration():
     model.set_attn_implementation("sdpa")  # after the cache was built: refused when it is used
     with pytest.raises(ValueError, match="runs attention implementation 'sdpa', not 'dilated'"):
         model(torch.randint(0, 61, (1, 5)), past_key_values=cache)
+    model.set_attn_implementation("dilated")
+    deeper = tiny("llama", num_hidden_layers=3)
+    deeper.set_attn_implementation("dilated")
+    with pytest.raises(ValueError, match=r"has 2 layers, for the model it was built for, and layer 2 asks"):
+        deeper(torch.randint(0, 61, (1, 5)), past_key_values=DilatedCache(model))
 
 
 @torch.no_grad()

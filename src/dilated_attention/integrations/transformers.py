@@ -251,6 +251,11 @@ class DilatedCache(Cache):
         (after ``set_attn_implementation("sdpa")`` the model would read the kept window
         as a sliding window)."""
         _check_running(self._config, self._name)
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"this DilatedCache has {len(self.layers)} layers, for the model it was built for, and layer "
+                f"{layer_idx} asks for one: a cache belongs to its model, build DilatedCache(model) for this one"
+            )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property

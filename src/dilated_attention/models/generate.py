@@ -72,7 +72,7 @@ def stream(
     (``(P,)`` or ``(B, P)``, ``P >= 1``). The prompt is fed in chunks of the longest
     segment (at most a static cache's ``max_chunk``), each new token alone, all through
     one cache (``cache``, or a new one), in eval mode (the model's mode is restored
-    afterwards)."""
+    afterwards). A prompt the model refuses leaves ``cache`` as it was."""
     validation.check_non_negative_int(max_new_tokens, "max_new_tokens")
     _check_sampling(temperature, top_k, top_p)
     if not isinstance(prompt, torch.Tensor):
@@ -85,6 +85,7 @@ def stream(
         )
     device = next(model.parameters()).device
     tokens = tokens.to(device, torch.long)
+    model._check_tokens(tokens)  # every chunk's ids, before the first goes into the cache
     was_training = model.training
     model.eval()
     try:
