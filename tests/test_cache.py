@@ -260,6 +260,13 @@ def test_bad_input(kind, call, fragment):
     assert torch.equal(cache.attend(q, k, v), fresh.attend(q, k, v))
 
 
+@pytest.mark.parametrize("kind", [DilatedKVCache, StaticKVCache])
+def test_reorder_refuses_a_list_with_a_type_error(kind):
+    """A wrong type is a ``TypeError``, as everywhere in the library, saying how to make the tensor."""
+    with pytest.raises(TypeError, match=re.escape("(torch.tensor(indices) for a list), got list")):
+        kind(2, 2, 3, [4], [1]).reorder([1, 0])
+
+
 @given(configs(max_len=32), st.data())
 def test_non_finite_values_reach_the_rows_the_definition_says(cfg, data):
     """The cache checks keys for NaN and infinity once, as they arrive, and still

@@ -84,6 +84,15 @@ q0, k0, v0 = qkv()
                 "position 0"
             ),
         ),
+        (
+            dict(key_offset=6),
+            ValueError,
+            (
+                "attends to keys from position 0, where its segment starts: without is_causal the queries are the "
+                "keys' rows, so they must start a segment of every branch (key_offset a multiple of every segment "
+                "length): pass q, k and v from position 0 on"
+            ),
+        ),
         (dict(head_offsets="blocked"), ValueError, "head_offsets must be one of"),
         (dict(v=v0.double()), ValueError, "v must have the dtype of q"),
         (dict(q=q0.int(), k=k0.int(), v=v0.int()), ValueError, "q must be float64, float32"),

@@ -225,6 +225,10 @@ def test_grid_attention_with_one_whole_segment_does_not_depend_on_the_order():
         assert torch.allclose(out, plain, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="grid must be \\(height, width\\)"):
         GridAttention(mha)(x, grid=56)
+    with pytest.raises(
+        ValueError, match=re.escape("for 2 leading tokens before the patches (a CLS token, ...) pass extra_tokens=2")
+    ):
+        GridAttention(mha)(x, grid=(6, 9))
     with pytest.raises(ValueError, match="order must be one of"):
         GridAttention(mha, "spiral")
 

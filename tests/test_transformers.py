@@ -580,10 +580,14 @@ def test_unsupported_uses_are_refused_clearly():
     model.model.layers[0].self_attn.is_causal = False
     with pytest.raises(ValueError, match="causal self-attention only"):
         model(tokens)
-    windowed = tiny("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    windowed.set_attn_implementation("dilated")
-    with pytest.raises(ValueError, match="sliding_window"):
-        windowed(tokens)
+    # A sliding layer is refused for its type, whatever its window: a wider window (or
+    # narrower segments) would not make it run. Its first full layer runs.
+    for window in (4, 64):
+        windowed = tiny("qwen2", use_sliding_window=True, sliding_window=window, max_window_layers=1)
+        assert windowed.config.layer_types[:2] == ["full_attention", "sliding_attention"]
+        windowed.set_attn_implementation("dilated")
+        with pytest.raises(ValueError, match=r"layer 1 is a 'sliding_attention' layer"):
+            windowed(tokens)
     with pytest.raises(ValueError, match="new attention implementation name"):
         register("sdpa", **BRANCHES)
 

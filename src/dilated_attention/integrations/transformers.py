@@ -363,6 +363,7 @@ def _refuse_unsupported(module, key, attention_mask, is_causal, kwargs, longest_
         )
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported: dilated attention never forms the weights")
+    _refuse_layer_type(module)  # before the window: a sliding layer is refused whatever its width
     window = kwargs.get("sliding_window")
     if window is not None and not (isinstance(window, int) and window >= longest_segment):
         raise ValueError(
@@ -378,7 +379,6 @@ def _refuse_unsupported(module, key, attention_mask, is_causal, kwargs, longest_
                 f"the model sets {option}={shown} ({meaning}), which dilated attention does not "
                 f"implement: use a config without {option}, or another attn_implementation"
             )
-    _refuse_layer_type(module)
     _refuse_unused_cache(key, kwargs)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(

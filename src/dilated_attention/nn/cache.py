@@ -163,10 +163,15 @@ class CacheSettings:
             )
 
     def _kept_sequences(self, indices) -> list[int]:
-        """The sequences ``reorder(indices)`` keeps, as a list; a ``ValueError`` unless
-        ``indices`` is a 1-D integer tensor of at least one sequence index."""
-        integer = isinstance(indices, torch.Tensor) and indices.dtype in (torch.int32, torch.int64)
-        if not integer or indices.dim() != 1:
+        """The sequences ``reorder(indices)`` keeps, as a list; a ``TypeError`` unless
+        ``indices`` is a tensor, a ``ValueError`` unless it is a 1-D integer one of at
+        least one sequence index."""
+        if not isinstance(indices, torch.Tensor):
+            raise TypeError(
+                "indices must be a 1-D int64 (or int32) tensor of sequence indices (torch.tensor(indices) "
+                f"for a list), got {validation.type_name(indices)}"
+            )
+        if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
             raise ValueError(f"indices must be a 1-D int64 (or int32) tensor of sequence indices, got {indices!r}")
         rows = indices.tolist()
         if not rows or not 0 <= min(rows) <= max(rows) < self.shape[0]:

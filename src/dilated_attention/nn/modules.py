@@ -409,11 +409,11 @@ class MultiheadDilatedAttention(nn.Module):
 class GridAttention(nn.Module):
     """Attention over the patches of an image laid into the sequence in another order.
 
-    ``GridAttention(attention, order="hilbert", extra_tokens=1)`` wraps a self-attention
+    ``GridAttention(attention, order="hilbert", extra_tokens=0)`` wraps a self-attention
     module called as ``attention(x, key_padding_mask=..., **kwargs) -> (out, ...)``
     (a :class:`MultiheadDilatedAttention`): ``forward(x, grid=(height, width))`` takes
     ``x`` ``(B, extra_tokens + height * width, embed_dim)`` with the patches in
-    row-major order (after ``extra_tokens`` leading tokens, e.g. a CLS token), runs
+    row-major order (after ``extra_tokens`` leading tokens: 1 for a CLS token), runs
     ``attention`` on the sequence in ``order`` (see :mod:`dilated_attention.nn.ordering`)
     and returns its output in the caller's order: a ViT block changes the order its
     segments follow without touching its data pipeline. ``batch_first=False``

@@ -109,9 +109,15 @@ def _check_length(x, patches: int, extra_tokens: int, dim: int, name: str) -> No
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(x)}")
     if x.dim() <= dim or x.shape[dim] != extra_tokens + patches:
+        leading = x.shape[dim] - patches if x.dim() > dim else -1
+        hint = (
+            f": for {leading} leading tokens before the patches (a CLS token, ...) pass extra_tokens={leading}"
+            if leading >= 0
+            else ""
+        )
         raise ValueError(
             f"{name} must have extra_tokens + height * width = {extra_tokens} + {patches} tokens along dim "
-            f"{dim}, got shape {tuple(x.shape)}"
+            f"{dim}, got shape {tuple(x.shape)}{hint}"
         )
 
 

@@ -398,17 +398,22 @@ def check_key_offset(key_offset, batch: int) -> tuple[int, ...]:
     return check_positions(key_offset, "key_offset", batch, 0, "the position of k's first row")
 
 
-def check_window(key_offset: int, num_queries: int, num_keys: int, segment_lengths) -> None:
+def check_window(key_offset: int, num_queries: int, num_keys: int, segment_lengths, is_causal: bool) -> None:
     """The keys must reach back to the start of the segment of the first query, in
     every branch (see :func:`dilated_attention.ops.plan.window_start_needed`)."""
     first_query = key_offset + num_keys - num_queries
     needed = window_start_needed(first_query, segment_lengths)
     if key_offset > needed:
+        fix = (
+            f"pass k and v from position {needed} on (the max(segment_lengths) - 1 positions before the first "
+            "query always suffice)"
+            if is_causal
+            else f"without is_causal the queries are the keys' rows, so they must start a segment of every "
+            f"branch (key_offset a multiple of every segment length): pass q, k and v from position {needed} on"
+        )
         raise ValueError(
             f"the keys start at position key_offset={key_offset}, but the first query (position "
-            f"{first_query}) attends to keys from position {needed}, where its segment starts: pass k and "
-            f"v from position {needed} on (the max(segment_lengths) - 1 positions before the first query "
-            "always suffice)"
+            f"{first_query}) attends to keys from position {needed}, where its segment starts: {fix}"
         )
 
 
@@ -511,7 +516,7 @@ def check_attention(
         check_head_groups(num_heads, len(segment_lengths))
     key_offsets = check_key_offset(key_offset, batch)
     for offset in sorted(set(key_offsets)):
-        check_window(offset, num_queries, num_keys, segment_lengths)
+        check_window(offset, num_queries, num_keys, segment_lengths, is_causal)
     scale = check_scale(softmax_scale, head_dim)
     kernel_scale(scale, q.dtype)  # refused here, before a caller draws a dropout seed, where float32 cannot hold it
     return Attention(
