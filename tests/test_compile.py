@@ -49,6 +49,22 @@ def test_multihead_module_compiles_fullgraph():
     assert max_relative_error(grads, expected_grads) <= 1e-12
 
 
+def test_compiled_module_takes_the_causal_attn_mask_as_pytorchs_hint():
+    """Under ``torch.compile`` the mask's values cannot be read: with ``is_causal=True``
+    it is PyTorch's hint (the call is causal), without it the call is refused."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(16, 4, SEGS, RATES, dtype=torch.float64)
+    x = torch.randn(2, 30, 16, dtype=torch.float64)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(30, dtype=torch.float64)
+    compiled = torch.compile(mha, backend="aot_eager", fullgraph=True)
+    out, _ = compiled(x, attn_mask=mask, is_causal=True)
+    assert max_relative_error(out, mha(x, is_causal=True)[0]) <= 1e-12
+    # fullgraph: dynamo raises the ValueError wrapped in an exception type of its own
+    with pytest.raises(Exception, match=r"under torch\.compile its values cannot be read: pass is_causal=True"):
+        compiled(x, attn_mask=mask)
+
+
 def test_multihead_module_compiles_fullgraph_in_training_with_dropout():
     """Dropout's seed is a tensor drawn from PyTorch's generator, so the compiled
     module draws the same masks as the eager one for the same seed."""

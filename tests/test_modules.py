@@ -61,6 +61,90 @@ def test_multihead_matches_reference_with_parameter_gradients(mode, sub_layernor
     assert max_relative_error(grads, ref_grads) <= 1e-10
 
 
+def test_multihead_takes_nn_multihead_attentions_arguments_in_its_order():
+    """``(query, key, value, key_padding_mask, need_weights, attn_mask,
+    average_attn_weights, is_causal)``: the causal mask (bool or float) makes the call
+    causal, a float padding mask of 0 and -inf is the bool one; the result equals the
+    reference's."""
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(24, 3, SEGS, RATES, dtype=torch.float64)
+    x = torch.randn(2, 19, 24, dtype=torch.float64)
+    pad = torch.rand(2, 19) < 0.3
+    expected = reference_mha(mha, x, x, x, key_padding_mask=pad, is_causal=True)
+    float_pad = torch.zeros(2, 19, dtype=torch.float64).masked_fill(pad, -torch.inf)
+    bool_causal = torch.ones(19, 19, dtype=torch.bool).triu(1)
+    float_causal = torch.nn.Transformer.generate_square_subsequent_mask(19, dtype=torch.float32)
+    for padding in (pad, float_pad):
+        for mask in (bool_causal, float_causal):
+            out, weights = mha(x, x, x, padding, False, mask, True, False)
+            assert weights is None and max_relative_error(out, expected) <= 1e-10
+    assert torch.equal(mha(x, attn_mask=float_causal, is_causal=True)[0], mha(x, is_causal=True)[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "fragment"),
+    [
+        (dict(attn_mask=torch.zeros(7, 7)), ValueError, "attn_mask must be None or the causal mask of the sequence"),
+        (dict(attn_mask=torch.ones(7, 7, dtype=torch.bool).tril(-1)), ValueError, "got another (7, 7) mask"),
+        (dict(attn_mask=torch.ones(7, 7, dtype=torch.bool).triu(1)[None]), ValueError, "of shape (1, 7, 7)"),
+        (dict(attn_mask=torch.ones(7, 7, dtype=torch.int64).triu(1)), ValueError, "got a torch.int64 mask"),
+        (dict(attn_mask=[[0.0] * 7] * 7), TypeError, "attn_mask must be a torch.Tensor or None, got list"),
+        (dict(average_attn_weights=None), TypeError, "average_attn_weights must be a bool"),
+        (
+            dict(key_padding_mask=torch.full((2, 7), -1e9)),
+            ValueError,
+            "key_padding_mask must be bool (True = padding) or a float mask of 0 and -inf",
+        ),
+    ],
+)
+def test_multihead_refuses_what_dilated_attention_cannot_mean(kwargs, exc, fragment):
+    mha = MultiheadDilatedAttention(8, 2, [4], [1])
+    with pytest.raises(exc, match=re.escape(fragment)):
+        mha(torch.randn(2, 7, 8), **kwargs)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_multihead_is_the_self_attention_of_pytorchs_transformer_layers(norm_first):
+    """As ``self_attn`` of ``nn.TransformerEncoderLayer`` (training and eval: the layer's
+    fast path checks its attributes) and of ``nn.TransformerDecoderLayer``, with the
+    causal mask and padding the layers pass (both made float): the layer computes what
+    its own formula computes with the module called directly."""
+    torch.manual_seed(0)
+    dim, heads, length = 24, 3, 21
+    layer = torch.nn.TransformerEncoderLayer(
+        dim, heads, dim_feedforward=32, dropout=0.0, batch_first=True, norm_first=norm_first, dtype=torch.float64
+    )
+    layer.self_attn = MultiheadDilatedAttention(dim, heads, SEGS, RATES, dtype=torch.float64)
+    x = torch.randn(2, length, dim, dtype=torch.float64)
+    pad = torch.zeros(2, length, dtype=torch.bool)
+    pad[0, :4] = True
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
+    float_pad = torch.zeros(2, length, dtype=torch.float64).masked_fill(pad, -torch.inf)
+
+    def attend(z):
+        return layer.self_attn(z, key_padding_mask=pad, is_causal=True)[0]
+
+    if norm_first:
+        h = x + attend(layer.norm1(x))
+        expected = h + layer._ff_block(layer.norm2(h))
+    else:
+        h = layer.norm1(x + attend(x))
+        expected = layer.norm2(h + layer._ff_block(h))
+    for training in (True, False):
+        layer.train(training)
+        for is_causal in (True, False):  # the layer's hint, or the mask alone
+            out = layer(x, src_mask=mask, is_causal=is_causal, src_key_padding_mask=float_pad)
+            assert max_relative_error(out, expected) <= 1e-12
+    with pytest.raises(ValueError, match="attn_mask must be None or the causal mask"):
+        layer(x, src_mask=torch.zeros(length, length, dtype=torch.float64))
+    decoder = torch.nn.TransformerDecoderLayer(dim, heads, 32, 0.0, batch_first=True, dtype=torch.float64)
+    decoder.self_attn = layer.self_attn
+    out = decoder(x, x, tgt_mask=mask, tgt_is_causal=True)
+    h = decoder.norm1(x + layer.self_attn(x, is_causal=True)[0])
+    h = decoder.norm2(h + decoder._mha_block(h, x, None, None))
+    assert max_relative_error(out, decoder.norm3(h + decoder._ff_block(h))) <= 1e-12
+
+
 def test_key_and_value_default_to_query():
     torch.manual_seed(0)
     mha = MultiheadDilatedAttention(16, 4, SEGS, RATES)

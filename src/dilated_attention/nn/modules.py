@@ -136,6 +136,13 @@ class MultiheadDilatedAttention(nn.Module):
     from its depth, e.g. ``sqrt(log(2 * num_layers))`` for an encoder); biases 0.
     """
 
+    # As nn.MultiheadAttention has them with separate q, k, v projections: no packed
+    # input projection. PyTorch's transformer layers read them to choose their fast path
+    # (which only nn.MultiheadAttention itself can take).
+    _qkv_same_embed_dim = False
+    in_proj_weight = None
+    in_proj_bias = None
+
     def __init__(
         self,
         embed_dim: int,
@@ -299,14 +306,27 @@ class MultiheadDilatedAttention(nn.Module):
                 )
 
     def _checked_inputs(
-        self, query, key, value, key_padding_mask, need_weights, is_causal, process_group, positions, cache
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask,
+        need_weights,
+        attn_mask,
+        average_attn_weights,
+        is_causal,
+        process_group,
+        positions,
+        cache,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
         """``query, key, value`` as :meth:`forward` takes them, checked, in the batch-first
-        layout (``key`` and ``value`` default to ``query``); a ``TypeError`` or
-        ``ValueError`` naming what is wrong, raised on every rank of ``process_group``."""
+        layout (``key`` and ``value`` default to ``query``), the bool padding mask and
+        whether the call is causal; a ``TypeError`` or ``ValueError`` naming what is
+        wrong, raised on every rank of ``process_group``."""
         # checks of this rank's input, before any collective call: with a process_group a
         # failure is raised on every rank (the others would wait for this one)
         with validation.shared_errors(process_group):
+            validation.check_flag(average_attn_weights, "average_attn_weights")  # read only with the weights
             if validation.check_flag(need_weights, "need_weights"):
                 raise ValueError(
                     "need_weights=True is not supported: dilated attention never forms the "
@@ -333,7 +353,13 @@ class MultiheadDilatedAttention(nn.Module):
             self._check_like_parameters(query, key, value)
             if not self.batch_first:
                 query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-            mask = key_padding_mask
+            if attn_mask is not None and process_group is not None:
+                raise ValueError(
+                    "attn_mask cannot be given with process_group (it would be this shard's rows only): pass "
+                    "is_causal=True for causal attention"
+                )
+            is_causal = validation.causal_from_attn_mask(attn_mask, is_causal, query.shape[1])
+            mask = key_padding_mask = validation.bool_padding_mask(key_padding_mask)
             if isinstance(mask, torch.Tensor) and tuple(mask.shape) != tuple(query.shape[:2]):
                 raise ValueError(
                     f"key_padding_mask must have shape (batch, seq_len) = {tuple(query.shape[:2])}, got "
@@ -344,7 +370,7 @@ class MultiheadDilatedAttention(nn.Module):
                 self._check_cache(cache, query.shape[0], is_causal, key_padding_mask, process_group)
             if positions is not None and process_group is not None:  # else rotary checks them
                 check_rotary_positions(positions, query.shape[0], query.shape[1])
-        return query, key, value
+        return query, key, value, key_padding_mask, is_causal
 
     def forward(
         self,
@@ -353,16 +379,26 @@ class MultiheadDilatedAttention(nn.Module):
         value: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
         is_causal: bool = False,
-        process_group=None,
         *,
+        process_group=None,
         positions: torch.Tensor | None = None,
         cache: DilatedKVCache | StaticKVCache | None = None,
     ) -> tuple[torch.Tensor, None]:
         """``query`` (and ``key``, ``value``, which default to it) ``(B, N, embed_dim)``
         (``(N, B, embed_dim)`` with ``batch_first=False``) -> ``(output, None)`` in the
-        same layout, like ``nn.MultiheadAttention``. ``key_padding_mask``: bool
-        ``(B, N)``, ``True`` = padding, in either layout.
+        same layout, like ``nn.MultiheadAttention``, whose arguments it takes in its
+        order. ``key_padding_mask``: ``(B, N)`` in either layout, bool (``True`` =
+        padding) or float (``-inf`` = padding, ``0`` = kept). ``attn_mask``: ``None`` or
+        the causal mask (``(N, N)``, ``True`` or ``-inf`` above the diagonal, as
+        ``nn.Transformer.generate_square_subsequent_mask`` makes it), which makes the
+        call causal as ``is_causal=True`` does; any other mask is refused (the keys each
+        query sees are set by the branches). ``need_weights=True`` is refused (the
+        weights are never formed); ``average_attn_weights`` has no effect without them.
+        So the module can be the ``self_attn`` of ``nn.TransformerEncoderLayer`` and
+        ``nn.TransformerDecoderLayer``.
 
         With ``process_group`` the inputs are this rank's shard of the sequence; the
         projections and the LayerNorm act per token, so the output is this rank's
@@ -382,8 +418,18 @@ class MultiheadDilatedAttention(nn.Module):
         ``is_causal=True``, no mask, no dropout): the rows are the next ``N`` positions
         of its sequences; their keys and values are appended to it.
         """
-        query, key, value = self._checked_inputs(
-            query, key, value, key_padding_mask, need_weights, is_causal, process_group, positions, cache
+        query, key, value, key_padding_mask, is_causal = self._checked_inputs(
+            query,
+            key,
+            value,
+            key_padding_mask,
+            need_weights,
+            attn_mask,
+            average_attn_weights,
+            is_causal,
+            process_group,
+            positions,
+            cache,
         )
         heads = (self.num_heads, self.embed_dim // self.num_heads)
         q = self.q_proj(query).unflatten(-1, heads)

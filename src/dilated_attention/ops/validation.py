@@ -437,6 +437,58 @@ def check_padding_mask(mask, batch: int, seq_len: int, device) -> torch.Tensor |
     return mask
 
 
+_MHA_MASK = "as torch.nn.MultiheadAttention takes it"
+
+
+def bool_padding_mask(mask):
+    """``key_padding_mask`` as ``nn.MultiheadAttention`` takes it, made bool: a float
+    mask of ``0`` (key kept) and ``-inf`` (padding), as PyTorch's transformer layers
+    pass it, becomes ``mask == -inf``; any other mask is returned as it is (for
+    :func:`check_padding_mask`). Its values are read eagerly; under ``torch.compile``
+    a float mask is refused."""
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
+        return mask
+    refusal = f"key_padding_mask must be bool (True = padding) or a float mask of 0 and -inf {_MHA_MASK}"
+    if torch.compiler.is_compiling():
+        raise ValueError(f"{refusal}; under torch.compile its values cannot be read: pass mask == -inf (bool)")
+    padding = torch.isneginf(mask)
+    if not bool((padding | (mask == 0)).all()):
+        raise ValueError(f"{refusal}, got other values: dilated attention adds no bias to the scores")
+    return padding
+
+
+def causal_from_attn_mask(attn_mask, is_causal, seq_len: int) -> bool:
+    """``is_causal`` given ``nn.MultiheadAttention``'s ``attn_mask``: ``None``, or the
+    causal mask of ``seq_len`` rows (bool, ``True`` above the diagonal, or float, ``-inf``
+    there and ``0`` elsewhere, as ``nn.Transformer.generate_square_subsequent_mask``
+    makes it), which makes the call causal. Its values are read eagerly; under
+    ``torch.compile`` it must come with ``is_causal=True`` (PyTorch's hint)."""
+    is_causal = check_flag(is_causal, "is_causal")
+    if attn_mask is None:
+        return is_causal
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type_name(attn_mask)}")
+    refusal = (
+        f"attn_mask must be None or the causal mask of the sequence, ({seq_len}, {seq_len}) with True (bool) or "
+        "-inf (float) above the diagonal and False or 0 elsewhere, as nn.Transformer.generate_square_subsequent_mask "
+        "makes it: the keys each query sees are set by segment_lengths and dilation_rates, so no other mask "
+        "applies (pass is_causal=True for causal attention, key_padding_mask for padding)"
+    )
+    if tuple(attn_mask.shape) != (seq_len, seq_len) or not (
+        attn_mask.dtype == torch.bool or attn_mask.is_floating_point()
+    ):
+        raise ValueError(f"{refusal}; got a {attn_mask.dtype} mask of shape {tuple(attn_mask.shape)}")
+    if torch.compiler.is_compiling():
+        if not is_causal:
+            raise ValueError(f"{refusal}; under torch.compile its values cannot be read: pass is_causal=True with it")
+        return True
+    above = torch.ones(seq_len, seq_len, dtype=torch.bool, device=attn_mask.device).triu(1)
+    causal = above if attn_mask.dtype == torch.bool else torch.zeros_like(attn_mask).masked_fill(above, -math.inf)
+    if not torch.equal(attn_mask, causal):
+        raise ValueError(f"{refusal}; got another ({seq_len}, {seq_len}) mask")
+    return True
+
+
 def check_head_groups(num_heads: int, num_branches: int) -> None:
     if num_heads < num_branches:
         raise ValueError(
