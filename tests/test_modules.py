@@ -145,6 +145,32 @@ def test_multihead_is_the_self_attention_of_pytorchs_transformer_layers(norm_fir
     assert max_relative_error(out, decoder.norm3(h + decoder._ff_block(h))) <= 1e-12
 
 
+def test_nested_tensors_are_refused_saying_how_to_avoid_them():
+    """``nn.TransformerEncoder`` built around ``nn.MultiheadAttention`` hands its layers
+    nested tensors in eval mode with a padding mask; built around this module, or
+    without nested tensors, it runs."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 16)
+    pad = torch.zeros(2, 12, dtype=torch.bool)
+    pad[0, -5:] = True
+    with warnings.catch_warnings():  # PyTorch's notes on nested tensors and on its fast path
+        warnings.simplefilter("ignore")
+        encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=True), 2)
+        for layer in encoder.layers:
+            layer.self_attn = MultiheadDilatedAttention(16, 2, [4, 8], [1, 2])
+        encoder.eval()
+        with torch.no_grad(), pytest.raises(ValueError, match="query must be a dense tensor, got a nested tensor"):
+            encoder(x, src_key_padding_mask=pad)
+        layer = encoder.layers[0]
+        rebuilt = torch.nn.TransformerEncoder(layer, 2).eval()  # built around this module: two copies of layer
+        with torch.no_grad():
+            twice = layer(layer(x, src_key_padding_mask=pad), src_key_padding_mask=pad)
+            assert torch.allclose(rebuilt(x, src_key_padding_mask=pad), twice, rtol=1e-6, atol=1e-6)
+        nested = torch.nested.nested_tensor([torch.randn(5, 2, 4), torch.randn(3, 2, 4)])
+    with pytest.raises(ValueError, match="q must be a dense tensor, got a nested tensor: pad the sequences"):
+        dilated_attention(nested, nested, nested, [4], [1])
+
+
 def test_key_and_value_default_to_query():
     torch.manual_seed(0)
     mha = MultiheadDilatedAttention(16, 4, SEGS, RATES)

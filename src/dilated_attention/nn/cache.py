@@ -135,8 +135,7 @@ class CacheSettings:
         cache's batch, heads, head dim, dtype and device."""
         batch, heads, dim = self.shape
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(t)}")
+            validation.check_tensor(t, name)
             if t.dim() == 4:
                 check_batch(batch, t.shape[0], name)
             if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (batch, heads, dim) or t.shape[1] < 1:

@@ -337,8 +337,7 @@ class MultiheadDilatedAttention(nn.Module):
             value = query if value is None else value
             dims = "(batch, seq_len, " if self.batch_first else "(seq_len, batch, "
             for name, t in (("query", query), ("key", key), ("value", value)):
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{name} must be a torch.Tensor, got {validation.type_name(t)}")
+                validation.check_tensor(t, name)
                 if t.dim() != 3 or t.shape[-1] != self.embed_dim:
                     raise ValueError(
                         f"{name} must have shape {dims}embed_dim={self.embed_dim}) with "

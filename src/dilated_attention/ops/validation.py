@@ -259,14 +259,25 @@ def check_saved_config(module, saved: dict, mine: dict) -> None:
             )
 
 
+def check_tensor(t, name: str) -> None:
+    """``t`` (called ``name``): a tensor, and not a nested one."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
+    if t.is_nested:
+        raise ValueError(
+            f"{name} must be a dense tensor, got a nested tensor: pad the sequences to one length and pass "
+            "key_padding_mask (nn.TransformerEncoder makes nested tensors in eval mode when it was built around "
+            "nn.MultiheadAttention: build it with enable_nested_tensor=False)"
+        )
+
+
 def check_qkv(q, k, v, layout: str = "bnhd") -> None:
     """``q, k, v``: 4-D tensors in ``layout`` of one dtype and device; ``k`` and ``v``
     of one shape, ``q`` of theirs but for its length (checked by the caller) and its
     heads, a multiple of theirs (grouped-query attention)."""
     dims = LAYOUTS[layout]
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type_name(t)}")
+        check_tensor(t, name)
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dims {dims} (layout={layout!r}), got shape {tuple(t.shape)}")
         if t.layout != torch.strided:
