@@ -49,20 +49,26 @@ def test_multihead_module_compiles_fullgraph():
     assert max_relative_error(grads, expected_grads) <= 1e-12
 
 
-def test_compiled_module_takes_the_causal_attn_mask_as_pytorchs_hint():
-    """Under ``torch.compile`` the mask's values cannot be read: with ``is_causal=True``
-    it is PyTorch's hint (the call is causal), without it the call is refused."""
+def test_compiled_module_checks_its_masks_in_the_graph():
+    """Under ``torch.compile`` a mask's values are checked inside the graph (a
+    ``RuntimeError`` with the library's message at run time): the causal ``attn_mask``
+    without the hint and a float padding mask give eager's output, other values fail."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     mha = MultiheadDilatedAttention(16, 4, SEGS, RATES, dtype=torch.float64)
     x = torch.randn(2, 30, 16, dtype=torch.float64)
     mask = torch.nn.Transformer.generate_square_subsequent_mask(30, dtype=torch.float64)
+    pad = torch.zeros(2, 30, dtype=torch.float64)
+    pad[1, :7] = -torch.inf
     compiled = torch.compile(mha, backend="aot_eager", fullgraph=True)
-    out, _ = compiled(x, attn_mask=mask, is_causal=True)
-    assert max_relative_error(out, mha(x, is_causal=True)[0]) <= 1e-12
-    # fullgraph: dynamo raises the ValueError wrapped in an exception type of its own
-    with pytest.raises(Exception, match=r"under torch\.compile its values cannot be read: pass is_causal=True"):
-        compiled(x, attn_mask=mask)
+    for is_causal in (True, False):  # the hint, or the mask's values
+        out, _ = compiled(x, None, None, pad, False, mask, True, is_causal)
+        expected, _ = mha(x, key_padding_mask=pad == -torch.inf, is_causal=True)
+        assert max_relative_error(out, expected) <= 1e-12
+    with pytest.raises(RuntimeError, match=r"attn_mask must be None or the causal mask .* got another \(30, 30\)"):
+        compiled(x, attn_mask=mask.T.contiguous())
+    with pytest.raises(RuntimeError, match=r"key_padding_mask must be bool \(True = padding\) or a float mask"):
+        compiled(x, key_padding_mask=pad.clamp(min=-1e9), is_causal=True)
 
 
 def test_multihead_module_compiles_fullgraph_in_training_with_dropout():

@@ -78,7 +78,10 @@ def test_multihead_takes_nn_multihead_attentions_arguments_in_its_order():
         for mask in (bool_causal, float_causal):
             out, weights = mha(x, x, x, padding, False, mask, True, False)
             assert weights is None and max_relative_error(out, expected) <= 1e-10
-    assert torch.equal(mha(x, attn_mask=float_causal, is_causal=True)[0], mha(x, is_causal=True)[0])
+    causal = mha(x, is_causal=True)[0]
+    assert torch.equal(mha(x, attn_mask=float_causal, is_causal=True)[0], causal)
+    # With is_causal=True the mask is PyTorch's hint: its values are not read.
+    assert torch.equal(mha(x, attn_mask=torch.zeros(19, 19), is_causal=True)[0], causal)
 
 
 @pytest.mark.parametrize(
@@ -90,6 +93,21 @@ def test_multihead_takes_nn_multihead_attentions_arguments_in_its_order():
         (dict(attn_mask=torch.ones(7, 7, dtype=torch.int64).triu(1)), ValueError, "got a torch.int64 mask"),
         (dict(attn_mask=[[0.0] * 7] * 7), TypeError, "attn_mask must be a torch.Tensor or None, got list"),
         (dict(average_attn_weights=None), TypeError, "average_attn_weights must be a bool"),
+        (
+            dict(attn_mask=torch.ones(7, 7, dtype=torch.bool, device="meta").triu(1)),
+            ValueError,
+            "attn_mask must be on the device of the query (cpu), got meta",
+        ),
+        (
+            dict(key_padding_mask=torch.zeros(2, 7, device="meta")),
+            ValueError,
+            "key_padding_mask must be on the device of the query (cpu), got meta",
+        ),
+        (
+            dict(attn_mask=torch.ones(2, 2, dtype=torch.bool).triu(1)),
+            ValueError,
+            "(the query was read as (batch, seq_len, embed_dim) with batch_first=True: is that its layout?)",
+        ),
         (
             dict(key_padding_mask=torch.full((2, 7), -1e9)),
             ValueError,
@@ -161,6 +179,15 @@ def test_nested_tensors_are_refused_saying_how_to_avoid_them():
         encoder.eval()
         with torch.no_grad(), pytest.raises(ValueError, match="query must be a dense tensor, got a nested tensor"):
             encoder(x, src_key_padding_mask=pad)
+        encoder.use_nested_tensor = False  # as the message says
+        with torch.no_grad():
+            once = encoder.layers[0](x, src_key_padding_mask=pad)
+            assert torch.allclose(
+                encoder(x, src_key_padding_mask=pad),
+                encoder.layers[1](once, src_key_padding_mask=pad),
+                rtol=1e-6,
+                atol=1e-6,
+            )
         layer = encoder.layers[0]
         rebuilt = torch.nn.TransformerEncoder(layer, 2).eval()  # built around this module: two copies of layer
         with torch.no_grad():

@@ -229,6 +229,8 @@ def test_grid_attention_with_one_whole_segment_does_not_depend_on_the_order():
         ValueError, match=re.escape("for 2 leading tokens before the patches (a CLS token, ...) pass extra_tokens=2")
     ):
         GridAttention(mha)(x, grid=(6, 9))
+    with pytest.raises(ValueError, match="GridAttention takes no attn_mask: the attention runs in the grid's order"):
+        GridAttention(mha, extra_tokens=2)(x, grid=(6, 9), attn_mask=torch.ones(56, 56, dtype=torch.bool).triu(1))
     with pytest.raises(ValueError, match="order must be one of"):
         GridAttention(mha, "spiral")
 

@@ -357,8 +357,14 @@ class MultiheadDilatedAttention(nn.Module):
                     "attn_mask cannot be given with process_group (it would be this shard's rows only): pass "
                     "is_causal=True for causal attention"
                 )
-            is_causal = validation.causal_from_attn_mask(attn_mask, is_causal, query.shape[1])
-            mask = key_padding_mask = validation.bool_padding_mask(key_padding_mask)
+            is_causal = validation.causal_from_attn_mask(
+                attn_mask,
+                is_causal,
+                query.shape[1],
+                query.device,
+                f" (the query was read as {dims}embed_dim) with batch_first={self.batch_first}: is that its layout?)",
+            )
+            mask = key_padding_mask = validation.bool_padding_mask(key_padding_mask, query.device)
             if isinstance(mask, torch.Tensor) and tuple(mask.shape) != tuple(query.shape[:2]):
                 raise ValueError(
                     f"key_padding_mask must have shape (batch, seq_len) = {tuple(query.shape[:2])}, got "
@@ -394,7 +400,9 @@ class MultiheadDilatedAttention(nn.Module):
         the causal mask (``(N, N)``, ``True`` or ``-inf`` above the diagonal, as
         ``nn.Transformer.generate_square_subsequent_mask`` makes it), which makes the
         call causal as ``is_causal=True`` does; any other mask is refused (the keys each
-        query sees are set by the branches). ``need_weights=True`` is refused (the
+        query sees are set by the branches). With ``is_causal=True`` the mask is
+        PyTorch's hint, not read (as ``nn.MultiheadAttention`` takes it); without, its
+        ``N x N`` values are checked. ``need_weights=True`` is refused (the
         weights are never formed); ``average_attn_weights`` has no effect without them.
         So the module can be the ``self_attn`` of ``nn.TransformerEncoderLayer`` and
         ``nn.TransformerDecoderLayer``.
@@ -491,6 +499,12 @@ class GridAttention(nn.Module):
         **kwargs,
     ):
         """``(output, ...)`` as ``attention`` returns it, the output in ``x``'s order."""
+        if kwargs.get("attn_mask") is not None:
+            raise ValueError(
+                "GridAttention takes no attn_mask: the attention runs in the grid's order, where a mask made for "
+                "x's order means something else; pass key_padding_mask, which moves with its tokens (is_causal=True "
+                "is causal in the grid's order)"
+            )
         if process_group is not None:
             return self.attention(x, key_padding_mask=key_padding_mask, process_group=process_group, **kwargs)
         if not isinstance(grid, (tuple, list)) or len(grid) != 2:

@@ -266,8 +266,9 @@ def check_tensor(t, name: str) -> None:
     if t.is_nested:
         raise ValueError(
             f"{name} must be a dense tensor, got a nested tensor: pad the sequences to one length and pass "
-            "key_padding_mask (nn.TransformerEncoder makes nested tensors in eval mode when it was built around "
-            "nn.MultiheadAttention: build it with enable_nested_tensor=False)"
+            "key_padding_mask (an nn.TransformerEncoder built around nn.MultiheadAttention makes nested tensors "
+            "in eval mode: set its use_nested_tensor = False, nn.Transformer's encoder's included, or build it "
+            "after replacing self_attn)"
         )
 
 
@@ -451,29 +452,47 @@ def check_padding_mask(mask, batch: int, seq_len: int, device) -> torch.Tensor |
 _MHA_MASK = "as torch.nn.MultiheadAttention takes it"
 
 
-def bool_padding_mask(mask):
+def _require(ok: torch.Tensor, message: str) -> None:
+    """A ``ValueError`` with ``message`` unless ``ok`` (a 0-dim bool tensor) is true.
+    Under ``torch.compile``, where a value cannot be read without breaking the graph,
+    the check is part of the graph and fails at run time with a ``RuntimeError`` (on
+    CUDA, a device-side assertion) carrying the same message."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
+
+
+def _check_mask_device(mask: torch.Tensor, name: str, device) -> None:
+    if mask.device != device:
+        raise ValueError(f"{name} must be on the device of the query ({device}), got {mask.device}")
+
+
+def bool_padding_mask(mask, device):
     """``key_padding_mask`` as ``nn.MultiheadAttention`` takes it, made bool: a float
     mask of ``0`` (key kept) and ``-inf`` (padding), as PyTorch's transformer layers
-    pass it, becomes ``mask == -inf``; any other mask is returned as it is (for
-    :func:`check_padding_mask`). Its values are read eagerly; under ``torch.compile``
-    a float mask is refused."""
+    pass it, becomes ``mask == -inf`` (other values are refused, see :func:`_require`);
+    any other mask is returned as it is (for :func:`check_padding_mask`)."""
     if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
         return mask
-    refusal = f"key_padding_mask must be bool (True = padding) or a float mask of 0 and -inf {_MHA_MASK}"
-    if torch.compiler.is_compiling():
-        raise ValueError(f"{refusal}; under torch.compile its values cannot be read: pass mask == -inf (bool)")
+    _check_mask_device(mask, "key_padding_mask", device)
     padding = torch.isneginf(mask)
-    if not bool((padding | (mask == 0)).all()):
-        raise ValueError(f"{refusal}, got other values: dilated attention adds no bias to the scores")
+    _require(
+        (padding | (mask == 0)).all(),
+        f"key_padding_mask must be bool (True = padding) or a float mask of 0 and -inf {_MHA_MASK}, got other "
+        "values: dilated attention adds no bias to the scores",
+    )
     return padding
 
 
-def causal_from_attn_mask(attn_mask, is_causal, seq_len: int) -> bool:
+def causal_from_attn_mask(attn_mask, is_causal, seq_len: int, device, layout: str = "") -> bool:
     """``is_causal`` given ``nn.MultiheadAttention``'s ``attn_mask``: ``None``, or the
     causal mask of ``seq_len`` rows (bool, ``True`` above the diagonal, or float, ``-inf``
     there and ``0`` elsewhere, as ``nn.Transformer.generate_square_subsequent_mask``
-    makes it), which makes the call causal. Its values are read eagerly; under
-    ``torch.compile`` it must come with ``is_causal=True`` (PyTorch's hint)."""
+    makes it), which makes the call causal. With ``is_causal=True`` the mask is
+    PyTorch's hint: its shape and dtype are checked, not its values (as
+    ``nn.MultiheadAttention`` takes it, at no cost); without, its values are (see
+    :func:`_require`). ``layout``: how the query was read, for the shape's message."""
     is_causal = check_flag(is_causal, "is_causal")
     if attn_mask is None:
         return is_causal
@@ -488,15 +507,13 @@ def causal_from_attn_mask(attn_mask, is_causal, seq_len: int) -> bool:
     if tuple(attn_mask.shape) != (seq_len, seq_len) or not (
         attn_mask.dtype == torch.bool or attn_mask.is_floating_point()
     ):
-        raise ValueError(f"{refusal}; got a {attn_mask.dtype} mask of shape {tuple(attn_mask.shape)}")
-    if torch.compiler.is_compiling():
-        if not is_causal:
-            raise ValueError(f"{refusal}; under torch.compile its values cannot be read: pass is_causal=True with it")
-        return True
-    above = torch.ones(seq_len, seq_len, dtype=torch.bool, device=attn_mask.device).triu(1)
-    causal = above if attn_mask.dtype == torch.bool else torch.zeros_like(attn_mask).masked_fill(above, -math.inf)
-    if not torch.equal(attn_mask, causal):
-        raise ValueError(f"{refusal}; got another ({seq_len}, {seq_len}) mask")
+        raise ValueError(f"{refusal}; got a {attn_mask.dtype} mask of shape {tuple(attn_mask.shape)}{layout}")
+    _check_mask_device(attn_mask, "attn_mask", device)
+    if not is_causal:
+        rows = torch.arange(seq_len, device=device)
+        above = rows[None, :] > rows[:, None]
+        causal = above if attn_mask.dtype == torch.bool else torch.where(above, -math.inf, 0.0).to(attn_mask.dtype)
+        _require((attn_mask == causal).all(), f"{refusal}; got another ({seq_len}, {seq_len}) mask")
     return True
 
 
