@@ -198,6 +198,15 @@ def test_nested_tensors_are_refused_saying_how_to_avoid_them():
         dilated_attention(nested, nested, nested, [4], [1])
 
 
+def test_multihead_runs_on_the_meta_device_for_shapes():
+    """As ``nn.MultiheadAttention`` does (deferred initialisation, shape inference): no
+    value is read, and a device without autocast is not asked about it."""
+    mha = MultiheadDilatedAttention(16, 2, SEGS, RATES, device="meta")
+    out, _ = mha(torch.empty(2, 9, 16, device="meta"), is_causal=True)
+    assert out.shape == (2, 9, 16) and out.device.type == "meta"
+    assert mha.new_cache(2).device.type == "meta"
+
+
 def test_key_and_value_default_to_query():
     torch.manual_seed(0)
     mha = MultiheadDilatedAttention(16, 4, SEGS, RATES)

@@ -235,8 +235,8 @@ class MultiheadDilatedAttention(nn.Module):
         dtype inside ``torch.autocast``, else the parameters'), ``device`` to the
         parameters'."""
         weight = self.q_proj.weight
-        if dtype is None and torch.is_autocast_enabled(weight.device.type):
-            dtype = torch.get_autocast_dtype(weight.device.type)
+        if dtype is None:
+            dtype = validation.autocast_dtype(weight.device.type)
         attention = self.attention
         kind: Any = StaticKVCache if validation.check_flag(static, "static") else DilatedKVCache
         extra = {"max_chunk": max_chunk} if kind is StaticKVCache else {}
@@ -297,7 +297,7 @@ class MultiheadDilatedAttention(nn.Module):
         """A ``ValueError`` unless ``query, key, value`` are on the parameters' device and,
         outside ``torch.autocast``, of their dtype (the projections' own error names neither)."""
         weight = self.q_proj.weight
-        autocast = torch.is_autocast_enabled(weight.device.type)
+        autocast = validation.autocast_dtype(weight.device.type) is not None
         for name, t in zip(("query", "key", "value"), inputs, strict=True):
             if t.device != weight.device or (not autocast and t.dtype != weight.dtype):
                 raise ValueError(

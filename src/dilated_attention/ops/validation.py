@@ -224,6 +224,14 @@ def check_flag(value, name: str) -> bool:
 _AUTOCAST_CAST = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts to on ``device_type``; ``None`` outside it
+    (and on devices without autocast, such as ``meta``)."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def autocast_inputs(*tensors):
     """``tensors`` as SDPA takes them under ``torch.autocast`` on their device: float32,
     float16 and bfloat16 tensors cast to the autocast dtype (float64 and anything else
@@ -231,10 +239,9 @@ def autocast_inputs(*tensors):
     first = tensors[0]
     if not isinstance(first, torch.Tensor):
         return tensors
-    device = first.device.type
-    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+    dtype = autocast_dtype(first.device.type)
+    if dtype is None:
         return tensors
-    dtype = torch.get_autocast_dtype(device)
     floats = [t.dtype for t in tensors if isinstance(t, torch.Tensor)]
     if torch.float64 in floats and any(d in _AUTOCAST_CAST for d in floats):
         raise ValueError(
