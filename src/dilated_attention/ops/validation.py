@@ -456,9 +456,6 @@ def check_padding_mask(mask, batch: int, seq_len: int, device) -> torch.Tensor |
     return mask
 
 
-_MHA_MASK = "as torch.nn.MultiheadAttention takes it"
-
-
 def _require(ok: torch.Tensor, message: str) -> None:
     """A ``ValueError`` with ``message`` unless ``ok`` (a 0-dim bool tensor) is true.
     Under ``torch.compile``, where a value cannot be read without breaking the graph,
@@ -486,8 +483,8 @@ def bool_padding_mask(mask, device):
     padding = torch.isneginf(mask)
     _require(
         (padding | (mask == 0)).all(),
-        f"key_padding_mask must be bool (True = padding) or a float mask of 0 and -inf {_MHA_MASK}, got other "
-        "values: dilated attention adds no bias to the scores",
+        "key_padding_mask must be bool (True = padding) or a float mask of 0 and -inf as "
+        "torch.nn.MultiheadAttention takes it, got other values: dilated attention adds no bias to the scores",
     )
     return padding
 
