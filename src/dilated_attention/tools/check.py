@@ -87,8 +87,8 @@ def default_cases() -> list[Case]:
     """Both modes, causal or not, masked or not, on aligned, odd and tiny shapes."""
     shapes = [
         ("aligned", 2, 64, 4, 16, (16, 32), (1, 2)),
-        ("odd", 2, 61, 5, 8, (8, 24, 100), (1, 3, 5)),  # w > N, w % r != 0, short tail
-        ("tiny", 1, 3, 3, 8, (4, 2), (2, 1)),
+        ("odd", 2, 61, 5, 16, (8, 25, 100), (1, 3, 5)),  # w > N, w % r != 0, short tail
+        ("tiny", 1, 3, 3, 16, (4, 2), (2, 1)),
     ]
     return [
         Case(name, b, n, h, d, w, r, mode, causal, masked)
