@@ -176,7 +176,7 @@ def _error_of(fn) -> dict:
 def shared_errors(rank, group):
     """Bad input on rank 1 only, in each layer that checks its own input before its
     collective calls, and in settings that the ranks must share: every rank raises."""
-    from dilated_attention import MultiheadDilatedAttention
+    from dilated_attention import GridAttention, MultiheadDilatedAttention
     from dilated_attention.models import LongNetConfig, LongNetLM
     from dilated_attention.nn.rotary import RotaryEmbedding
 
@@ -201,6 +201,19 @@ def shared_errors(rank, group):
     model = LongNetLM(LongNetConfig(vocab_size=11, dim=8, depth=1, heads=2, segment_lengths=(4,), dilation_rates=(1,)))
     tokens = torch.randint(0, 11, (1, 4)) + (20 if rank == 1 else 0)
     report["model"] = _error_of(lambda: model(tokens, process_group=group))
+    # models that differ between ranks: the one with more layers would wait in a collective the other never makes
+    config = LongNetConfig(vocab_size=11, dim=8, depth=1, heads=2, segment_lengths=(4,), dilation_rates=(1,))
+    tokens = torch.randint(0, 11, (1, 4))
+    for name, change in (("depth", {"depth": 1 + rank}), ("positions", {"positions": ("rotary", "none")[rank]})):
+        other = LongNetLM(config.replace(**change))
+        report[f"model {name}"] = _error_of(lambda other=other: other(tokens, process_group=group))
+    given = torch.arange(4 * rank, 4 * rank + 4) if rank == 1 else None
+    report["model positions on one rank"] = _error_of(lambda: model(tokens, positions=given, process_group=group))
+    model.train().gradient_checkpointing = rank == 0  # recomputed in backward on one rank only
+    report["model checkpointing"] = _error_of(lambda: model(tokens, process_group=group))
+    grid_attention = GridAttention(MultiheadDilatedAttention(8, 2, [8], [1]), extra_tokens=1)
+    grid = (2, 2) if rank == 0 else "2x2"
+    report["grid"] = _error_of(lambda: grid_attention(torch.randn(1, 3, 8), grid=grid, process_group=group))
     # a call that raises leaves the random generator as it was (the dropout seed is drawn first)
     state = torch.get_rng_state()
     mask = torch.zeros(1, 8, dtype=torch.bool if rank == 0 else torch.int64)
@@ -439,6 +452,13 @@ def test_a_layers_own_bad_input_on_one_rank_raises_on_every_rank(tmp_path):
         "module rotary=True": "ValueError: key_padding_mask must have shape (batch, seq_len) = (1, 5), got (1, 4)",
         "positions on one rank": "ValueError: process_group ranks made different calls (per rank: [\"the shard's",
         "model": "ValueError: token ids must lie in [0, vocab_size=11)",
+        "model depth": "ValueError: process_group ranks disagree on depth (per rank: [1, 2]); every rank must run "
+        "the same model (the same config)",
+        "model positions": "ValueError: process_group ranks disagree on positions (per rank: ['rotary', 'none'])",
+        "model positions on one rank": "ValueError: process_group ranks disagree on positions= (given or None) "
+        "(per rank: [False, True])",
+        "model checkpointing": "ValueError: process_group ranks disagree on gradient checkpointing",
+        "grid": "ValueError: grid must be (height, width) in patches, got '2x2'",
         "dropout": "ValueError: key_padding_mask must be a bool tensor",
         "type": "TypeError: process_group must be a torch.distributed process group",
     }

@@ -110,6 +110,9 @@ def test_greedy_generation_follows_the_full_forward_argmax():
         expected = model.eval()(out[:, :-1]).argmax(-1)[:, 8:]
     assert torch.equal(out[:, 9:], expected)
     assert model.generate(prompt[0], 5, top_k=1).shape == (14,)
+    for new_tokens in (0, 3):  # int64 ids whatever the prompt's integer dtype, with or without new tokens
+        ids = model.generate(prompt.int(), new_tokens, temperature=0)
+        assert ids.dtype == torch.int64 and torch.equal(ids, out[:, : 9 + new_tokens])
     assert torch.equal(model.generate(prompt, 12, top_k=1), out[:, :21])
     for max_chunk in (1, 4):  # the prompt fed in parts a static cache takes
         static = model.new_cache(2, static=True, max_chunk=max_chunk)
@@ -186,6 +189,9 @@ def test_rotary_scores_depend_only_on_the_distance():
     assert torch.equal(per_row[1], rotary(x[1:], torch.arange(10, 15))[0])
     with pytest.raises(ValueError, match="head_dim must be even"):
         RotaryEmbedding(7)
+    for dtype in (torch.float32, torch.complex64, torch.bool):  # only integer positions: nothing cast or dropped
+        with pytest.raises(ValueError, match=f"positions must be integers .* got {dtype}"):
+            rotary(x, torch.arange(5).to(dtype))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():

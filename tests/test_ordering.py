@@ -231,6 +231,14 @@ def test_grid_attention_with_one_whole_segment_does_not_depend_on_the_order():
         GridAttention(mha)(x, grid=(6, 9))
     with pytest.raises(ValueError, match="GridAttention takes no attn_mask: the attention runs in the grid's order"):
         GridAttention(mha, extra_tokens=2)(x, grid=(6, 9), attn_mask=torch.ones(56, 56, dtype=torch.bool).triu(1))
+    # a mask or positions of the patches alone, or an unbatched x: told what they must be, not extra_tokens=0
+    patches_only = re.escape("one entry per token of x (56 along its last dim, the extra_tokens=2 included), got")
+    with pytest.raises(ValueError, match="key_padding_mask must have " + patches_only):
+        GridAttention(mha, extra_tokens=2)(x, grid=(6, 9), key_padding_mask=torch.zeros(3, 54, dtype=torch.bool))
+    with pytest.raises(ValueError, match="positions must have " + patches_only):
+        GridAttention(mha, extra_tokens=2)(x, grid=(6, 9), positions=torch.arange(54))
+    with pytest.raises(ValueError, match=re.escape("x must have shape (batch, tokens, embed_dim) (batch_first=True)")):
+        GridAttention(mha, extra_tokens=2)(x[0], grid=(6, 9))
     with pytest.raises(ValueError, match="order must be one of"):
         GridAttention(mha, "spiral")
 

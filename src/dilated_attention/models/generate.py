@@ -27,7 +27,8 @@ def sample_next(
 ) -> torch.Tensor:
     """``logits`` ``(B, V)`` -> ``(B,)`` token ids: the likeliest with ``temperature=0``,
     else drawn from ``softmax(logits / temperature)`` kept to the ``top_k`` likeliest
-    tokens and to the smallest set whose probability reaches ``top_p``. A ``-inf``
+    tokens (and any tied with the ``k``-th) and to the smallest set whose probability
+    reaches ``top_p``. A ``-inf``
     logit bans its token (each row needs one finite logit); NaN and ``+inf`` are refused."""
     _check_sampling(temperature, top_k, top_p)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
@@ -105,9 +106,10 @@ def stream(
 
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
     """``prompt`` (``(P,)`` or ``(B, P)``) followed by ``max_new_tokens`` sampled tokens,
-    in the prompt's shape; ``sampling``: ``temperature``, ``top_k``, ``top_p``,
-    ``generator``, ``cache`` (see :func:`stream`)."""
+    in the prompt's shape, int64 on the model's device; ``sampling``: ``temperature``,
+    ``top_k``, ``top_p``, ``generator``, ``cache`` (see :func:`stream`)."""
     new = list(stream(model, prompt, max_new_tokens, **sampling))
     batch = prompt if prompt.dim() == 2 else prompt.unsqueeze(0)
-    out = torch.cat([batch.to(new[0].device if new else batch.device)] + [t[:, None] for t in new], dim=1)
+    device = next(model.parameters()).device
+    out = torch.cat([batch.to(device, torch.long)] + [t[:, None] for t in new], dim=1)
     return out if prompt.dim() == 2 else out.squeeze(0)

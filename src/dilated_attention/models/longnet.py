@@ -203,10 +203,18 @@ class LongNetLM(nn.Module):
                 check_batch(cache.layers[0].shape[0], tokens.shape[0], "tokens")
             if positions is not None and process_group is not None:  # else rotary checks them
                 check_rotary_positions(positions, *tokens.shape)
-        if positions is None:
-            positions = sequence_positions(tokens.shape[1], tokens.device, cache, process_group)
-        x = self.dropout(self.embedding(tokens) * math.sqrt(self.config.dim))
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None
+        if process_group is not None:  # one collective: the shard's start, and the ranks' models compared
+            from ..ops.distributed import shard_start
+
+            shared = {**self.config.to_dict(), "positions= (given or None)": positions is not None}
+            shared["gradient checkpointing (in training, with gradients)"] = recompute
+            start = shard_start(process_group, tokens.shape[1], shared)
+            if positions is None:
+                positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        elif positions is None:
+            positions = sequence_positions(tokens.shape[1], tokens.device, cache)
+        x = self.dropout(self.embedding(tokens) * math.sqrt(self.config.dim))
         for i, block in enumerate(self.blocks):
             if recompute:
                 x = checkpoint(block, x, positions, None, process_group, use_reentrant=False)

@@ -505,17 +505,30 @@ class GridAttention(nn.Module):
                 "x's order means something else; pass key_padding_mask, which moves with its tokens (is_causal=True "
                 "is causal in the grid's order)"
             )
-        if process_group is not None:
+        with validation.shared_errors(process_group):  # before any collective call: raised on every rank
+            if not isinstance(grid, (tuple, list)) or len(grid) != 2:
+                raise ValueError(f"grid must be (height, width) in patches, got {grid!r}")
+            order, inverse = grid_permutations(self.order, *grid)
+        if process_group is not None:  # x is a piece of the ordered sequence: it goes as it is
             return self.attention(x, key_padding_mask=key_padding_mask, process_group=process_group, **kwargs)
-        if not isinstance(grid, (tuple, list)) or len(grid) != 2:
-            raise ValueError(f"grid must be (height, width) in patches, got {grid!r}")
-        order, inverse = grid_permutations(self.order, *grid)
-        dim = 1 if getattr(self.attention, "batch_first", True) else 0
+        batch_first = getattr(self.attention, "batch_first", True)
+        dim = 1 if batch_first else 0
+        if isinstance(x, torch.Tensor) and x.dim() != 3:
+            raise ValueError(
+                f"x must have shape {'(batch, tokens, embed_dim)' if batch_first else '(tokens, batch, embed_dim)'} "
+                f"(batch_first={batch_first}), got {tuple(x.shape)}"
+            )
         x = permute(x, order, self.extra_tokens, dim)
+        positions = kwargs.get("positions")
+        for name, laid_out in (("key_padding_mask", key_padding_mask), ("positions", positions)):
+            if isinstance(laid_out, torch.Tensor) and laid_out.dim() in (1, 2) and laid_out.shape[-1] != x.shape[dim]:
+                raise ValueError(
+                    f"{name} must have one entry per token of x ({x.shape[dim]} along its last dim, the "
+                    f"extra_tokens={self.extra_tokens} included), got shape {tuple(laid_out.shape)}"
+                )
         mask = None
         if key_padding_mask is not None:  # (B, N) in either layout
             mask = permute(key_padding_mask, order, self.extra_tokens, name="key_padding_mask")
-        positions = kwargs.get("positions")
         if isinstance(positions, torch.Tensor) and positions.dim() in (1, 2):  # the attention checks the rest
             kwargs["positions"] = permute(positions, order, self.extra_tokens, positions.dim() - 1, name="positions")
         out, *rest = self.attention(x, key_padding_mask=mask, **kwargs)

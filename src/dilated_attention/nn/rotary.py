@@ -60,7 +60,7 @@ def check_rotary_positions(positions, batch: int, length: int) -> None:
     """``positions`` must be an integer tensor ``(length,)`` or ``(batch, length)``."""
     if not isinstance(positions, torch.Tensor):
         raise TypeError(f"positions must be a tensor of integer positions, got {validation.type_name(positions)}")
-    integers = not positions.dtype.is_floating_point and positions.dtype != torch.bool
+    integers = not (positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool)
     if not integers or positions.shape not in ((length,), (batch, length)):
         raise ValueError(
             f"positions must be integers of shape (seq_len,) or (batch, seq_len) = {(batch, length)}, "

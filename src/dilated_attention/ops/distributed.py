@@ -117,7 +117,7 @@ _NOT_A_MEMBER = (
 # ``positions``, another not) raise together instead of pairing unlike calls.
 _STEPS = {
     "agree": "the attention's configuration check",
-    "shard_start": "the shard's positions (a rotary layer or LongNetLM given no positions)",
+    "shard_start": "the shard's positions (LongNetLM, or a rotary layer given no positions)",
 }
 
 
@@ -196,18 +196,23 @@ def agree(group, call, dropout_p: float, error: Exception | None) -> tuple[list[
         mine = {"error": (type(error).__name__, str(error))}
     try:
         table = _gather(group, mine, error, "agree")
-        for name in table[0]["settings"]:
-            values = [entry["settings"][name] for entry in table]
-            if any(value != values[0] for value in values):
-                raise ValueError(
-                    f"process_group ranks disagree on {name} (per rank: {values}); every rank must call "
-                    "dilated_attention with the same configuration and only its own shard of the sequence"
-                )
+        _require_same(
+            table, "every rank must call dilated_attention with the same configuration and only its own shard"
+        )
     except (ValueError, TypeError):
         if generator is not None and state is not None:
             generator.set_state(state)
         raise
     return [entry["length"] for entry in table], table[0]["seed"]
+
+
+def _require_same(table: list[dict], fix: str) -> None:
+    """A ``ValueError`` naming the first of the ``"settings"`` in which the ranks'
+    entries differ, with each rank's value, followed by ``fix``."""
+    for name in table[0]["settings"]:
+        values = [entry["settings"][name] for entry in table]
+        if any(value != values[0] for value in values):
+            raise ValueError(f"process_group ranks disagree on {name} (per rank: {values}); {fix}")
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:
@@ -393,9 +398,12 @@ def make_exchange(process_group, call, dropout_p: float, error: Exception | None
     return Exchange(communicator, plan, call.padding is not None, batch, dim, call.q.dtype, device, seed_tensor)
 
 
-def shard_start(process_group, length: int) -> int:
+def shard_start(process_group, length: int, settings: dict | None = None) -> int:
     """The sequence position of this rank's first row, given its shard's ``length``:
-    the lower ranks' lengths summed (one small all-gather)."""
+    the lower ranks' lengths summed (one small all-gather). ``settings`` (name ->
+    value; a model's configuration): every rank raises the same ``ValueError`` where
+    they differ between ranks, before a model whose layers differ makes unlike calls."""
     group = communicator_of(process_group).group
-    table = _gather(group, {"length": int(length)}, step="shard_start")
+    table = _gather(group, {"length": int(length), "settings": settings or {}}, step="shard_start")
+    _require_same(table, "every rank must run the same model (the same config) on its own shard of the sequence")
     return sum(entry["length"] for entry in table[: dist.get_rank(group)])
