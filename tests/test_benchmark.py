@@ -672,6 +672,21 @@ def test_decode_bench_measures_each_batch_and_position_once(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+class _FullStream(io.StringIO):
+    def write(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_measurement_is_written_before_its_table_is_printed(tmp_path, monkeypatch):
+    """stdout gone (a closed pipe, a full disk): the result files, the command's
+    product, are there all the same."""
+    args = ["decode-bench", "--positions", "40", "--batch", "1", "--segment-lengths", "8", "--dilation-rates", "1"]
+    args += ["--heads", "1", "--head-dim", "4", "--steps", "2", "--dense-steps", "2", "--quiet", "--no-plot"]
+    monkeypatch.setattr(sys, "stdout", _FullStream())
+    assert main([*args, "--out-dir", str(tmp_path), "--name", "d"]) != 0
+    assert json.loads((tmp_path / "d.json").read_text())["rows"] and (tmp_path / "d.txt").read_text()
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -167,6 +167,7 @@ def test_every_option_says_what_it_does_and_its_default(command, capsys, monkeyp
         (["bench", "--threads", "100000"], "argument --threads: must be at most"),
         (["decode-bench", "--threads", "100000"], "argument --threads: must be at most"),
         (["decode-bench", "--positions", "64", str(10**20)], "argument --positions: must be at most 2**62"),
+        (["decode-bench", "--dense-steps", str(10**20)], "argument --dense-steps: must be at most 65536"),
         (
             ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "-5", "--heads", "2"],
             "argument --length: must be >= 1, got -5",
@@ -248,6 +249,9 @@ def test_pattern_refuses_a_picture_too_large_to_draw(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "p.png")]) == 2
     assert "too large to draw" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+    grid = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--grid", "4", "4", "--heads", str(10**20)]
+    assert main([*grid, "--out", str(tmp_path / "p.png")]) == 2
+    assert "--heads 100000000000000000000 must be at most 65,536 with --grid" in capsys.readouterr().err
 
 
 PATTERN = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--length", "8", "--heads", "1"]

@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,10 @@ import torch
 from dilated_attention.models import LongNetConfig
 from dilated_attention.tools.cli import main
 from dilated_attention.training import TrainSettings, checkpoint, load_corpus, load_model, read_log, train
+from dilated_attention.training.commands import newest_run
 from dilated_attention.training.data import Batches, split
+from dilated_attention.training.run_folder import read_run_config
+from dilated_attention.utils.memory import OutOfMemory
 
 TIMEOUT_S = 240
 CONFIG = LongNetConfig(dim=32, depth=2, heads=4, ffn_dim=64, segment_lengths=(16, 32), dilation_rates=(1, 2))
@@ -227,7 +231,9 @@ def test_bad_runs_and_data_give_clear_errors(tmp_path, text_file, capsys, monkey
     assert "already holds a run: continue it with --resume" in _error(
         ["train", "--out", run, "--data", text_file], capsys
     )
-    assert "only steps and minutes may change, not ['lr']" in _error(["train", "--resume", run, "--lr", "0.1"], capsys)
+    assert "only steps, minutes and data may change, not ['lr']" in _error(
+        ["train", "--resume", run, "--lr", "0.1"], capsys
+    )
     assert "is not a training run folder" in _error(["generate", "--run", str(tmp_path), "--prompt", "a"], capsys)
     os.remove(os.path.join(run, "checkpoint.pt"))
     assert "checkpoint.pt is missing. The checkpoint before it, of step 0, is intact" in _error(
@@ -937,6 +943,78 @@ def test_the_api_resumes_a_run_whose_data_path_is_relative(tmp_path, text_file, 
     assert main(["train", "--resume", "runs/demo", "--data", relative, "--steps", "4", "--no-progress"]) == 0
 
 
+# A short command-line run of CONFIG (see _config_file).
+TINY_RUN = ["--context", "64", "--batch-size", "2", "--steps", "2", "--no-progress"]
+
+
+def _config_file(tmp_path) -> str:
+    """CONFIG as a JSON file for --config."""
+    path = tmp_path / "model.json"
+    path.write_text(CONFIG.to_json())
+    return str(path)
+
+
+def test_a_run_whose_text_moved_resumes_with_data_where_it_is_now(tmp_path, text_file, capsys):
+    moved = tmp_path / "moved.txt"
+    shutil.copy(text_file, moved)
+    run = str(tmp_path / "run")
+    assert main(["train", "--config", _config_file(tmp_path), "--out", run, "--data", str(moved), *TINY_RUN]) == 0
+    renamed = tmp_path / "renamed.txt"
+    moved.rename(renamed)
+    message = _error(["train", "--resume", run, "--steps", "3", "--no-progress"], capsys)
+    assert f"{run}'s text {moved} (its config.json's data) is not there any more: pass --data" in message
+    assert main(["train", "--resume", run, "--steps", "3", "--data", str(renamed), "--no-progress"]) == 0
+    assert read_log(run)[-1]["step"] == 3 and read_run_config(run)[1].data == str(renamed)
+    assert "changed since" not in capsys.readouterr().err  # the same text: no note
+
+
+def test_runs_that_cannot_start_are_refused_before_their_folder(tmp_path, text_file, capsys, monkeypatch):
+    """A kernel setting, a batch, or a data folder holding the run folder: refused with
+    nothing written (a step-0 folder left under runs/ became generate's default run)."""
+    monkeypatch.chdir(tmp_path)
+    config = _config_file(tmp_path)
+    monkeypatch.setenv("DILATED_ATTENTION_KERNEL", "bogus")
+    message = _error(["train", "--config", config, "--data", text_file], capsys)
+    assert "DILATED_ATTENTION_KERNEL must be one of" in message
+    monkeypatch.setenv("DILATED_ATTENTION_KERNEL", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "DILATED_ATTENTION_KERNEL=triton cannot run this training" in _error(
+        ["train", "--config", config, "--data", text_file, "--device", "cpu"], capsys
+    )
+    monkeypatch.delenv("DILATED_ATTENTION_KERNEL")
+    message = _error(["train", "--config", config, "--data", text_file, "--batch-size", str(10**20)], capsys)
+    assert "batch_size x (context + 1) = 100000000000000000000 x 513 tokens a step" in message
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    shutil.copy(text_file, texts / "a.txt")
+    monkeypatch.chdir(texts)
+    assert f"lies inside the data folder {texts}, so the run's own checkpoints" in _error(
+        ["train", "--config", config, "--data", "."], capsys
+    )
+    assert sorted(os.listdir(texts)) == ["a.txt"] and not (tmp_path / "runs").exists()
+
+
+def test_generate_defaults_to_the_newest_run_that_finished_a_step(tmp_path, text_file, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trained = str(tmp_path / "runs" / "trained")
+    train(trained, settings(text_file, steps=1), CONFIG, progress=False)
+    untrained = tmp_path / "runs" / "untrained"
+    untrained.mkdir()
+
+    def out_of_memory(self):
+        raise MemoryError("the first batch")
+
+    monkeypatch.setattr(Batches, "next", out_of_memory)
+    with pytest.raises(OutOfMemory, match=r"out of memory in the run's first training step .* holds no trained step"):
+        train(str(untrained), settings(text_file, steps=1), CONFIG, progress=False)
+    assert os.path.isfile(untrained / "checkpoint.pt")  # the step-0 checkpoint, written later than the trained run's
+    assert newest_run() == os.path.join("runs", "trained")
+    shutil.rmtree(trained)
+    assert "no trained run under runs/ (1 run stopped before a step ended)" in _error(
+        ["generate", "--prompt", "a"], capsys
+    )
+
+
 def test_settings_and_model_config_of_the_wrong_type_are_type_errors(tmp_path, text_file):
     run = tmp_path / "run"
     with pytest.raises(TypeError, match=re.escape("settings must be a TrainSettings or None, got dict")):
@@ -969,6 +1047,26 @@ def test_evaluation_windows_are_at_most_those_the_validation_split_holds(tmp_pat
     assert train(run, settings(str(short), steps=1, eval_windows=10**8, context=180), CONFIG, progress=False)
     assert "holds 20 windows of context + 1 = 181 bytes: each evaluation uses those 20" in capsys.readouterr().err
     assert math.isfinite(read_log(run)[-1]["val_bpb"])
+
+
+def test_text_is_checked_as_it_is_read(tmp_path, monkeypatch):
+    """A file is read and checked in parts (a binary file given by mistake is refused at
+    its first bad byte, not once all of it is in memory): the bad byte's place is the
+    file's, characters split between parts are whole."""
+    from dilated_attention.training import data
+
+    monkeypatch.setattr(data, "READ_BYTES", 4)
+    path = tmp_path / "t.txt"
+    for content in ["abc€de€f".encode(), b"abcd\xe2\x82\xacx\xe2", "é".encode() * 7 + b"\x80", b"ab\xffcdefgh"]:
+        path.write_bytes(content)
+        try:
+            expected = content.decode()
+        except UnicodeDecodeError as exc:
+            bad = content[exc.start : exc.start + 1]
+            with pytest.raises(ValueError, match=re.escape(f"is not UTF-8 text (byte {exc.start}: {bad!r})")):
+                data.load_corpus(str(path))
+        else:
+            assert bytes(data._read_utf8(str(path), strict=True)).decode() == expected
 
 
 def test_only_regular_files_of_a_data_folder_are_read(tmp_path, text_file):

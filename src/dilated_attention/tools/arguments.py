@@ -111,6 +111,21 @@ def position(text: str) -> int:
     return value
 
 
+# Dense steps decode-bench times per position: they are spread over the dilated
+# cache's span, at most this many positions (decode_benchmark.MAX_SPAN).
+MAX_DENSE_STEPS = 65536
+
+
+def dense_steps(text: str) -> int:
+    """An argparse type: ``decode-bench --dense-steps``, from 1 to :data:`MAX_DENSE_STEPS`."""
+    value = positive_int(text)
+    if value > MAX_DENSE_STEPS:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_DENSE_STEPS} (the steps are spread over at most that many positions), got {text}"
+        )
+    return value
+
+
 def seed(text: str) -> int:
     """An argparse type: a seed, an int in ``[0, 2**63)`` (what every torch generator accepts)."""
     value = number(int, 0)(text)

@@ -22,6 +22,7 @@ from ..utils.memory import OutOfMemory, check_fits, first_line, is_out_of_memory
 from . import benchmark
 from .arguments import (
     Parser,
+    dense_steps,
     device_type,
     number,
     position,
@@ -37,6 +38,8 @@ DTYPES = validation.FLOAT_DTYPES
 
 # The pattern draws an (N, N) picture per head, through the dense reference.
 MAX_PATTERN_CELLS = 2**24
+# Heads a grid pattern takes (it draws one; the offsets of all are made).
+MAX_GRID_HEADS = 2**16
 
 
 def _cmd_check(args) -> int:
@@ -119,6 +122,8 @@ def _grid_pattern(args, segs, rates) -> int:
         problems.append(f"--head {args.head} must be in [0, {heads}) (a head of --heads {heads})")
     if height * width > MAX_PATTERN_CELLS or args.causal:
         problems.append("--grid draws images of at most 2**24 patches, without --causal (images attend both ways)")
+    if heads > MAX_GRID_HEADS:
+        problems.append(f"--heads {heads} must be at most {MAX_GRID_HEADS:,} with --grid (one head is drawn)")
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
@@ -252,9 +257,9 @@ def _cmd_decode_bench(args) -> int:
 
 
 def _save_results(args, kind: str, payload: dict, table: str, plot) -> int:
-    """Print ``table``; write it, ``payload`` (JSON) and, unless ``--no-plot``, ``plot(path)``
-    (PNG) into the results folder as ``<--name or kind-device-dtype-machine>.*``; say where."""
-    print(table)
+    """Write ``table``, ``payload`` (JSON) and, unless ``--no-plot``, ``plot(path)`` (PNG)
+    into the results folder as ``<--name or kind-device-dtype-machine>.*``, then print
+    ``table`` and say where (the files first: a reader gone from stdout loses nothing)."""
     out_dir = _bench_folder(args.out_dir)
     stem = _results_stem(args, kind, out_dir)
     # the options as parsed, so that the run can be repeated from its file
@@ -267,6 +272,7 @@ def _save_results(args, kind: str, payload: dict, table: str, plot) -> int:
     elif os.path.isfile(stem + ".png"):  # an earlier run's plot would pass for this run's
         os.remove(stem + ".png")
         files += " (the earlier run's .png removed)"
+    print(table)
     print(f"results in {os.path.abspath(out_dir)}: {files}")
     return 0
 
@@ -558,9 +564,10 @@ def _add_decode_bench(sub) -> None:
     )
     bench.add_argument(
         "--dense-steps",
-        type=positive_int,
+        type=dense_steps,
         default=16,
-        help="one-token steps timed per position for the dense cache (default: 16)",
+        help="one-token steps timed per position for the dense cache, spread over the same span as the "
+        "dilated cache's, at most 65536 (default: 16)",
     )
     bench.add_argument("--quiet", action="store_true", help="no progress on stderr (default: off)")
     bench.set_defaults(run=_cmd_decode_bench)

@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..models import PRESETS, LongNetConfig
+from ..ops.validation import counted
 from ..tools.arguments import device_type, number, seed
 from ..utils.files import check_output_folder
 from . import checkpoint, run_folder, tasks
@@ -170,7 +171,7 @@ def add_run_option(p) -> None:
         dest="run_dir",
         type=folder,
         metavar="RUN_DIR",
-        help=f"the run folder (default: the newest under {RUNS}/)",
+        help=f"the run folder (default: the newest under {RUNS}/ that finished a step)",
     )
 
 
@@ -329,12 +330,23 @@ def _cmd_evaluate(args) -> int:
 
 
 def newest_run(root: str = RUNS) -> str:
-    """The run folder under ``root`` whose checkpoint was written last."""
+    """The run folder under ``root`` whose checkpoint was written last, among those that
+    finished a training step (a run stopped in its first step holds an untrained model)."""
     runs = [os.path.join(root, d) for d in os.listdir(root)] if os.path.isdir(root) else []
     runs = [d for d in runs if os.path.isfile(os.path.join(d, checkpoint.CHECKPOINT))]
-    if not runs:
-        raise ValueError(f"no trained run under {root}/: train one first (dilated-attention train), or pass --run")
-    return max(runs, key=lambda d: os.path.getmtime(os.path.join(d, checkpoint.CHECKPOINT)))
+    trained = [d for d in runs if _has_log_records(d)]
+    if not trained:
+        untrained = f" ({counted(len(runs), 'run')} stopped before a step ended)" if runs else ""
+        raise ValueError(
+            f"no trained run under {root}/{untrained}: train one first (dilated-attention train), or pass --run"
+        )
+    return max(trained, key=lambda d: os.path.getmtime(os.path.join(d, checkpoint.CHECKPOINT)))
+
+
+def _has_log_records(run_dir: str) -> bool:
+    """Whether ``run_dir``'s log holds a record: the run finished a step."""
+    log = os.path.join(run_dir, run_folder.LOG)
+    return os.path.isfile(log) and os.path.getsize(log) > 0
 
 
 def _byte_writer(stream):

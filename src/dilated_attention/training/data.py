@@ -7,6 +7,7 @@ interpreter (about 11 MB on CPython 3.11), so nothing is downloaded.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import sysconfig
@@ -51,28 +52,43 @@ def _files_under(folder: str, suffix: str = "", skipped=frozenset()) -> list[str
     return found
 
 
+# Bytes read and checked at a time: a binary file given by mistake is refused at its
+# first bad byte, not once all of it is in memory.
+READ_BYTES = 2**24
+
+
 @overload
 def _read_utf8(path: str, strict: Literal[True]) -> bytes: ...
 @overload
 def _read_utf8(path: str, strict: Literal[False]) -> bytes | None: ...
+
+
 def _read_utf8(path: str, strict: bool) -> bytes | None:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    parts: list[bytes] = []
+    done = 0
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            while True:
+                part = f.read(READ_BYTES)
+                done += len(part)
+                try:
+                    decoder.decode(part, final=not part)
+                except UnicodeDecodeError as exc:  # exc.object: the bytes held back before part, and part
+                    if not strict:
+                        return None
+                    raise ValueError(
+                        f"{path} is not UTF-8 text (byte {done - len(exc.object) + exc.start}: "
+                        f"{exc.object[exc.start : exc.start + 1]!r}); train on UTF-8 text files only: convert it "
+                        "(e.g. iconv -t UTF-8) or move it out of the data folder"
+                    ) from None
+                if not part:
+                    return b"".join(parts)
+                parts.append(part)
     except OSError as exc:
         if not strict:
             return None
         raise ValueError(f"cannot read {path} ({exc.strerror}): fix it or move it out of the data folder") from None
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        if not strict:
-            return None
-        raise ValueError(
-            f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r}); train on UTF-8 "
-            "text files only: convert it (e.g. iconv -t UTF-8) or move it out of the data folder"
-        ) from None
-    return data
 
 
 def load_corpus(path: str | None = None) -> Corpus:

@@ -12,6 +12,8 @@ from ..ops import validation
 from . import tasks
 
 AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+# Tokens a training step's batch may hold (its int64 tensor's elements).
+MAX_STEP_TOKENS = 2**60
 
 
 @dataclass
@@ -54,6 +56,11 @@ class TrainSettings:
     def __post_init__(self):
         for name in ("context", "batch_size", "steps", "eval_interval", "eval_windows", "checkpoint_interval"):
             setattr(self, name, validation.check_positive_int(getattr(self, name), name))
+        if self.batch_size * (self.context + 1) > MAX_STEP_TOKENS:
+            raise ValueError(
+                f"batch_size x (context + 1) = {self.batch_size} x {self.context + 1} tokens a step is beyond what a "
+                "tensor holds (2**60): use a smaller batch_size or context"
+            )
         self.warmup_steps = validation.check_non_negative_int(self.warmup_steps, "warmup_steps")
         self.seed = validation.check_int(self.seed, "seed", 0, validation.SEED_LIMIT)
         self.lr = validation.check_number(

@@ -22,7 +22,7 @@ import torch
 from torch.nn import functional as F
 
 from ..models import LongNetConfig, LongNetLM
-from ..ops import validation
+from ..ops import fused, validation
 from ..utils.extras import require
 from ..utils.memory import OutOfMemory, check_fits, first_line, is_out_of_memory
 from . import checkpoint, parallel, run_folder, tasks
@@ -108,7 +108,7 @@ def train(
 
     A new run needs ``settings`` and ``model_config`` and an empty or missing
     ``run_dir``; a resumed one reads them from ``run_dir`` (``settings``, if given,
-    may change only ``steps`` and ``minutes``; ``minutes`` limits each invocation).
+    may change only ``steps``, ``minutes`` and ``data``; ``minutes`` limits each invocation).
     ``callback(record)`` is called after every step with the step's log record (on
     rank 0). Launched by ``torchrun``, the processes share each step (see
     :mod:`dilated_attention.training.parallel`); every check that can fail runs on
@@ -164,6 +164,8 @@ def _train_or_resume(run_dir, settings, model_config, resume, device, callback, 
     try:
         _check_split(settings, place)
         _check_fits(model_config, place.device)
+        _check_kernel(model_config, settings, place)
+        _check_data(settings, run_dir, resume)
         corpus = load_corpus(settings.data)
         check_long_enough(corpus, settings.context)
         if place.is_main:
@@ -301,10 +303,10 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
     with _StopRequest() as stop:
         while step < settings.steps:
             tick = time.perf_counter()
-            inputs, targets = batches.next()
-            count = targets.numel()
             lr = optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves it after the step)
             try:
+                inputs, targets = batches.next()
+                count = targets.numel()
                 summed = loss_sum(trained, inputs, targets)
                 (summed * place.loss_weight(count)).backward()
                 place.finish_gradients(model)
@@ -379,24 +381,31 @@ class _Speed:
         return self.tokens / max(self.seconds, 1e-9)
 
 
+# The settings a resumed run may change: its length, its time limit, and where its
+# text is read from (a moved file, a pipe again; a changed text is noted).
+RESUMABLE_CHANGES = ("steps", "minutes", "data")
+
+
 def _resumed_settings(saved: TrainSettings, given: TrainSettings | None) -> TrainSettings:
-    """The saved settings with ``given``'s ``steps`` and ``minutes`` (a time limit is
-    per invocation: a resumed run has none unless given one)."""
+    """The saved settings with ``given``'s ``steps``, ``minutes`` and ``data`` (a time
+    limit is per invocation: a resumed run has none unless given one)."""
     if given is None:
         return dataclasses.replace(saved, minutes=None)
     changed = {
         f.name
         for f in dataclasses.fields(TrainSettings)
-        if getattr(given, f.name) != getattr(saved, f.name) and f.name not in ("steps", "minutes")
+        if getattr(given, f.name) != getattr(saved, f.name) and f.name not in RESUMABLE_CHANGES
     }
     if changed:
-        raise ValueError(f"a resumed run keeps its settings; only steps and minutes may change, not {sorted(changed)}")
-    return dataclasses.replace(saved, steps=given.steps, minutes=given.minutes)
+        raise ValueError(
+            f"a resumed run keeps its settings; only steps, minutes and data may change, not {sorted(changed)}"
+        )
+    return dataclasses.replace(saved, steps=given.steps, minutes=given.minutes, data=given.data)
 
 
 def _fixed_settings(settings: TrainSettings) -> dict:
     """The settings a resumed run must share with its checkpoint."""
-    return {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("steps", "minutes")}
+    return {k: v for k, v in dataclasses.asdict(settings).items() if k not in RESUMABLE_CHANGES}
 
 
 def _check_model(model_config: LongNetConfig, settings: TrainSettings) -> None:
@@ -416,6 +425,41 @@ def _check_model(model_config: LongNetConfig, settings: TrainSettings) -> None:
             f"--context {settings.context} is shorter than the longest segment ({model_config.max_segment}): the "
             "model would never see that branch's segments whole in training, yet use them when generating. "
             f"Use --context >= {model_config.max_segment}, or a model with shorter segments"
+        )
+
+
+def _check_kernel(model_config: LongNetConfig, settings: TrainSettings, place) -> None:
+    """``$DILATED_ATTENTION_KERNEL`` checked before the run folder is written: one of its
+    values, and ``triton`` only where the run's attention calls can take the Triton kernels."""
+    if fused.requested(None) != "triton":
+        return
+    dtype = AUTOCAST_DTYPES[settings.dtype] or torch.float32
+    sample = torch.empty(1, 1, 1, model_config.head_dim, dtype=dtype, device=place.device)
+    reason = fused.why_not_triton(sample, model_config.dropout, place.group is not None)
+    if reason is not None:
+        raise ValueError(
+            f"{fused.KERNEL_ENV}=triton cannot run this training ({reason}): unset it, or set it to auto or torch"
+        )
+
+
+def _check_data(settings: TrainSettings, run_dir: str, resume: bool) -> None:
+    """The run's text exists, and a data folder does not hold the run folder (whose
+    checkpoints and logs would become part of the text)."""
+    if settings.data is None:
+        return
+    if not os.path.exists(settings.data):
+        if resume:
+            raise ValueError(
+                f"{run_dir}'s text {settings.data} (its config.json's data) is not there any more: pass "
+                "--data with where the text is now (a changed text is noted), or restore it"
+            )
+        return  # load_corpus says so
+    data, run = (os.path.realpath(path) for path in (settings.data, run_dir))
+    if os.path.isdir(data) and os.path.commonpath([data, run]) == data:
+        raise ValueError(
+            f"the run folder {run_dir} lies inside the data folder {settings.data}, so the run's own checkpoints "
+            "and logs would be read as text: pass --out (or --resume) a folder outside it, or --data a folder "
+            "that does not hold it"
         )
 
 
@@ -506,8 +550,9 @@ def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSet
     state = checkpoint.load_checkpoint(run_dir)
     _matching_config(run_dir, model_config, state)
     _check_model(model_config, settings)
-    # settings that checkpoints of earlier versions lack have their defaults
-    if {**_fixed_settings(TrainSettings()), **state["settings"]} != _fixed_settings(settings):
+    # settings that checkpoints of earlier versions lack have their defaults (and those kept the data path)
+    saved = {**_fixed_settings(TrainSettings()), **state["settings"]}
+    if {k: v for k, v in saved.items() if k not in RESUMABLE_CHANGES} != _fixed_settings(settings):
         raise ValueError(
             f"{os.path.join(run_dir, run_folder.CONFIG)}'s training settings differ from those of "
             f"{run_dir}'s "
