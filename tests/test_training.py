@@ -235,6 +235,14 @@ def test_bad_runs_and_data_give_clear_errors(tmp_path, text_file, capsys, monkey
         ["train", "--resume", run, "--lr", "0.1"], capsys
     )
     assert "is not a training run folder" in _error(["generate", "--run", str(tmp_path), "--prompt", "a"], capsys)
+    assert "does not exist (or is not a folder)" in _error(["train", "--resume", str(tmp_path / "none")], capsys)
+    config = os.path.join(run, "config.json")
+    kept = pathlib.Path(config).read_text()
+    for damaged in ("[1, 2]", '{"model": {}}'):
+        pathlib.Path(config).write_text(damaged)
+        message = _error(["generate", "--run", run, "--prompt", "a"], capsys)
+        assert 'is not a valid run configuration: it must be a JSON object with "model" and "training"' in message
+    pathlib.Path(config).write_text(kept)
     os.remove(os.path.join(run, "checkpoint.pt"))
     assert "checkpoint.pt is missing. The checkpoint before it, of step 0, is intact" in _error(
         ["generate", "--run", run, "--prompt", "a"], capsys
@@ -992,6 +1000,39 @@ def test_runs_that_cannot_start_are_refused_before_their_folder(tmp_path, text_f
         ["train", "--config", config, "--data", "."], capsys
     )
     assert sorted(os.listdir(texts)) == ["a.txt"] and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("sent", "ignored", "code"), [("SIGTERM", False, 143), ("SIGINT", False, 130), ("SIGINT", True, 0)]
+)
+def test_train_ends_as_the_signal_that_stopped_it(tmp_path, text_file, monkeypatch, sent, ignored, code):
+    """SIGTERM: exit status 143, Ctrl-C 130, as a shell reports them; a signal ignored
+    when the run starts (a run in the background of a script) stays ignored."""
+    make = Batches.next
+    calls = []
+
+    def next_with_signal(self):
+        calls.append(1)
+        if len(calls) == 2:  # during step 2: the run stops after it
+            signal.raise_signal(getattr(signal, sent))
+        return make(self)
+
+    monkeypatch.setattr(Batches, "next", next_with_signal)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
+    try:
+        run = str(tmp_path / "run")
+        argv = ["train", "--config", _config_file(tmp_path), "--out", run, "--data", text_file, *TINY_RUN]
+        assert main([*argv, "--steps", "4"]) == code  # the last --steps counts
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert [r["step"] for r in read_log(run)] == ([1, 2, 3, 4] if ignored else [1, 2])
+
+
+def test_a_warmup_as_long_as_the_run_is_noted(tmp_path, text_file, capsys):
+    train(str(tmp_path / "run"), settings(text_file, steps=2, warmup_steps=2), CONFIG, progress=False)
+    assert "note: warmup_steps 2 is not below steps 2: the learning rate rises for the whole run" in (
+        capsys.readouterr().err
+    )
 
 
 def test_generate_defaults_to_the_newest_run_that_finished_a_step(tmp_path, text_file, capsys, monkeypatch):

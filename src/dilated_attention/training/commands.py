@@ -8,6 +8,7 @@ import dataclasses
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 
@@ -153,7 +154,8 @@ def _cmd_train(args) -> int:
         raise
     if int(os.environ.get("RANK", "0")) == 0:
         _report(summary)
-    code = 130 if summary["stopped"] == "interrupted" else 0
+    # as a shell reports a process a signal ended: 128 + its number (130 for Ctrl-C, 143 for SIGTERM)
+    code = 128 + signal.Signals[summary["signal"] or "SIGINT"] if summary["stopped"] == "interrupted" else 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # The process group is gone and everything is written. torch 2.13's gloo can
         # abort ("terminate called without an active exception") at interpreter exit

@@ -149,10 +149,14 @@ def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
             )
         if held == set():
             raise ValueError(f"{run_dir} is empty: pass a folder a train run wrote, or train one there: {train_it}")
+        if held is None:
+            raise ValueError(f"{run_dir} does not exist (or is not a folder): pass a run folder train wrote")
         raise ValueError(f"{run_dir} is not a training run folder: {path} is missing")
     try:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
+        if not isinstance(saved, dict) or not {"model", "training"} <= set(saved):
+            raise ValueError('it must be a JSON object with "model" and "training", as train writes it')
         return LongNetConfig.from_dict(saved["model"]), TrainSettings(**saved["training"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path} is not a valid run configuration: {exc}") from None

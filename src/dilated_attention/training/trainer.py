@@ -64,17 +64,21 @@ def _parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]
 
 class _StopRequest:
     """Ctrl-C (SIGINT) or SIGTERM during training: the first finishes the current step,
-    checkpoints and stops; a second Ctrl-C interrupts at once (the previous checkpoint
-    stays whole)."""
+    checkpoints and stops (``signal``: its name); a second Ctrl-C interrupts at once (the
+    previous checkpoint stays whole). A signal the process was started ignoring (a run
+    in the background of a script) stays ignored."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested = False
+        self.signal: str | None = None
         self._previous = {}
 
     def __enter__(self):
         for sig in self.SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                continue
             with contextlib.suppress(ValueError):  # not the main thread: the signals keep their usual meaning
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -82,7 +86,7 @@ class _StopRequest:
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.signal = True, signal.Signals(signum).name
         print(
             f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint (Ctrl-C again "
             "stops at once)",
@@ -170,6 +174,12 @@ def _train_or_resume(run_dir, settings, model_config, resume, device, callback, 
         check_long_enough(corpus, settings.context)
         if place.is_main:
             _note_evaluation_windows(corpus, settings)
+            if settings.warmup_steps >= settings.steps:
+                print(
+                    f"note: warmup_steps {settings.warmup_steps} is not below steps {settings.steps}: the learning "
+                    f"rate rises for the whole run and never reaches lr {settings.lr:g}",
+                    file=sys.stderr,
+                )
         lock = place.on_main(lambda: _claim_run_folder(run_dir, resume))
         try:
             return _train(run_dir, settings, model_config, corpus, resume, place, callback, progress)
@@ -360,6 +370,7 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
         "step": step,
         "steps": settings.steps,
         "stopped": stop_reason,
+        "signal": stop.signal,  # the signal that stopped the run on this rank, if one did
         "elapsed_s": elapsed,
         "corpus": corpus.source,
         "parameters": model.num_parameters(),
