@@ -249,6 +249,8 @@ def test_pattern_refuses_a_picture_too_large_to_draw(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "p.png")]) == 2
     assert "too large to draw" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+    assert main([*args[:-4], "--length", "8", "--heads", "1", "--out", str(tmp_path / "p.jpg")]) == 2
+    assert "pattern writes a PNG image, name a .png file" in capsys.readouterr().err
     grid = ["pattern", "--segment-lengths", "8", "--dilation-rates", "1", "--grid", "4", "4", "--heads", str(10**20)]
     assert main([*grid, "--out", str(tmp_path / "p.png")]) == 2
     assert "--heads 100000000000000000000 must be at most 65,536 with --grid" in capsys.readouterr().err

@@ -72,6 +72,8 @@ def _cmd_check(args) -> int:
 def _cmd_pattern(args) -> int:
     require("plot", "pattern")
     check_output_file(args.out, "--out")
+    if not args.out.lower().endswith(".png"):
+        raise ValueError(f"--out {args.out}: pattern writes a PNG image, name a .png file")
     segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)
     grid_only = {"--order": args.order, "--query": args.query, "--head": args.head, "--head-offsets": args.head_offsets}
     misplaced = ["--length"] if args.grid and args.length is not None else []
