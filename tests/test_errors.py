@@ -182,7 +182,7 @@ def test_multihead_options_are_checked_when_built(option, exc, fragment):
 def test_grid_attention_names_the_mask_when_the_mask_is_wrong():
     grid = GridAttention(MultiheadDilatedAttention(8, 2, [4], [1]), "hilbert", extra_tokens=1)
     x = torch.randn(2, 7, 8)
-    with pytest.raises(ValueError, match=re.escape("key_padding_mask must have extra_tokens + height * width")):
+    with pytest.raises(ValueError, match=re.escape("key_padding_mask must have one entry per token of x (7 along")):
         grid(x, (2, 3), key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))
     with pytest.raises(ValueError, match=re.escape("x must have extra_tokens + height * width")):
         grid(x[:, :6], (2, 3), key_padding_mask=torch.zeros(2, 6, dtype=torch.bool))

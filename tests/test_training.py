@@ -487,6 +487,7 @@ def test_a_run_out_of_memory_in_its_first_step_starts_again_smaller(tmp_path, te
     model.write_text(CONFIG.to_json())
     run = str(tmp_path / "run")
     argv = ["train", "--out", run, "--config", str(model), "--data", text_file, "--context", "64", "--steps", "3"]
+    argv += ["--warmup-steps", "1"]
     message = _error([*argv, "--batch-size", "4", "--no-progress"], capsys)
     assert message.startswith(
         "error: out of memory in the run's first training step (CUDA out of memory. Tried to allocate 2.00 GiB): "
