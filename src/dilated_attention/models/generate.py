@@ -28,8 +28,8 @@ def sample_next(
     """``logits`` ``(B, V)`` -> ``(B,)`` token ids: the likeliest with ``temperature=0``,
     else drawn from ``softmax(logits / temperature)`` kept to the ``top_k`` likeliest
     tokens (and any tied with the ``k``-th) and to the smallest set whose probability
-    reaches ``top_p``. A ``-inf``
-    logit bans its token (each row needs one finite logit); NaN and ``+inf`` are refused."""
+    reaches ``top_p``. A ``-inf`` logit bans its token (each row needs one finite
+    logit); NaN and ``+inf`` are refused."""
     _check_sampling(temperature, top_k, top_p)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError("logits must be a floating-point tensor of shape (batch, vocab_size)")
