@@ -174,12 +174,7 @@ def _train_or_resume(run_dir, settings, model_config, resume, device, callback, 
         check_long_enough(corpus, settings.context)
         if place.is_main:
             _note_evaluation_windows(corpus, settings)
-            if settings.warmup_steps >= settings.steps:
-                print(
-                    f"note: warmup_steps {settings.warmup_steps} is not below steps {settings.steps}: the learning "
-                    f"rate rises for the whole run and never reaches lr {settings.lr:g}",
-                    file=sys.stderr,
-                )
+            _note_long_warmup(settings)
         lock = place.on_main(lambda: _claim_run_folder(run_dir, resume))
         try:
             return _train(run_dir, settings, model_config, corpus, resume, place, callback, progress)
@@ -526,6 +521,16 @@ def _note_changed_text(saved: dict | None, corpus, run_dir: str) -> None:
             f"note: the text of {corpus.source} changed since {run_dir}'s checkpoint ({sizes}): the run goes on "
             "with the text as it is now, so its batches and validation losses are not those of an "
             "uninterrupted run",
+            file=sys.stderr,
+        )
+
+
+def _note_long_warmup(settings: TrainSettings) -> None:
+    """Say so where the warmup lasts the whole run: the rate never reaches ``lr``."""
+    if settings.warmup_steps >= settings.steps:
+        print(
+            f"note: warmup_steps {settings.warmup_steps} is not below steps {settings.steps}: the learning "
+            f"rate rises for the whole run and never reaches lr {settings.lr:g}",
             file=sys.stderr,
         )
 
