@@ -296,6 +296,9 @@ def test_sizes_beyond_the_memory_are_refused_before_measuring(capsys, monkeypatc
     assert "at --seq-lens 4611686018427387904 take" in _refused(
         ["bench", *SMALL_BENCH, "--seq-lens", str(2**62)], capsys
     )
+    assert "the reference matmul's operands and product at --matmul-size 1000000 take" in _refused(
+        ["bench", *SMALL_BENCH, "--matmul-size", str(10**6)], capsys
+    )
     assert "the dilated caches of --batch 100000000000 sequences take" in _refused(
         ["decode-bench", *SMALL_BENCH, "--batch", str(10**11)], capsys
     )

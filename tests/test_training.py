@@ -1029,6 +1029,32 @@ def test_train_ends_as_the_signal_that_stopped_it(tmp_path, text_file, monkeypat
     assert [r["step"] for r in read_log(run)] == ([1, 2, 3, 4] if ignored else [1, 2])
 
 
+def test_a_second_ctrl_c_stops_at_once_and_says_how_to_continue(tmp_path, text_file, monkeypatch, capsys):
+    make = Batches.next
+    calls = []
+
+    def next_with_signals(self):
+        calls.append(1)
+        if len(calls) == 3:  # during step 3: Ctrl-C twice, the second before the step ends
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        return make(self)
+
+    monkeypatch.setattr(Batches, "next", next_with_signals)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    run = str(tmp_path / "run")
+    try:
+        argv = ["train", "--config", _config_file(tmp_path), "--out", run, "--data", text_file, *TINY_RUN]
+        assert main([*argv, "--steps", "4", "--checkpoint-interval", "1"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert f"interrupted: continue from the last checkpoint with: dilated-attention train --resume {run}" in (
+        capsys.readouterr().err
+    )
+    assert checkpoint.load_checkpoint(run)["step"] == 2
+    assert train(run, resume=True, progress=False)["step"] == 4
+
+
 def test_a_warmup_as_long_as_the_run_is_noted(tmp_path, text_file, capsys):
     train(str(tmp_path / "run"), settings(text_file, steps=2, warmup_steps=2), CONFIG, progress=False)
     assert "note: warmup_steps 2 is not below steps 2: the learning rate rises for the whole run" in (

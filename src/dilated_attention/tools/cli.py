@@ -197,6 +197,12 @@ def _cmd_bench(args) -> int:
         f"q, k, v and the output at --seq-lens {longest}",
         "use shorter --seq-lens (or a smaller --batch, --heads or --head-dim)",
     )
+    check_fits(
+        3 * args.matmul_size**2 * element,
+        args.device,
+        f"the reference matmul's operands and product at --matmul-size {args.matmul_size}",
+        "use a smaller --matmul-size (the default, 4096, suits every device)",
+    )
     cfg = benchmark.BenchConfig(
         seq_lens=args.seq_lens or default_lens,
         segment_lengths=segs,

@@ -148,9 +148,17 @@ def _cmd_train(args) -> int:
         summary = train(
             run_dir, settings, config, resume=bool(args.resume), device=args.device, progress=not args.no_progress
         )
-    except BaseException:
+    except BaseException as exc:
         if not args.resume and not args.out:
             _remove_if_unused(run_dir)
+        if isinstance(exc, KeyboardInterrupt) and _can_resume(run_dir):  # a second Ctrl-C: stopped at once
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(
+                    "\ninterrupted: continue from the last checkpoint with: dilated-attention train "
+                    f"--resume {shlex.quote(run_dir)}",
+                    file=sys.stderr,
+                )
+            return 130
         raise
     if int(os.environ.get("RANK", "0")) == 0:
         _report(summary)
@@ -195,6 +203,12 @@ def file_or_folder(text: str, what: str = "a file or folder") -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError(f"must name {what}, got an empty string")
     return text
+
+
+def _can_resume(run_dir: str) -> bool:
+    """Whether ``run_dir`` holds a run that ``--resume`` continues (its ``config.json``
+    is written before the first step)."""
+    return os.path.isfile(os.path.join(run_dir, run_folder.CONFIG))
 
 
 def _remove_if_unused(run_dir: str) -> None:
