@@ -253,9 +253,14 @@ def test_bad_runs_and_data_give_clear_errors(tmp_path, text_file, capsys, monkey
     empty.mkdir()
     assert "holds no files" in _error(["train", "--out", str(tmp_path / "a"), "--data", str(empty)], capsys)
     (empty / "latin1.txt").write_bytes("café".encode("latin-1"))
-    assert "latin1.txt is not UTF-8 text (byte 3" in _error(
-        ["train", "--out", str(tmp_path / "b"), "--data", str(empty)], capsys
+    assert (
+        "latin1.txt is not UTF-8 text (byte 3: b'\\xe9'): the text must be UTF-8: convert it (e.g. iconv -t "
+        "UTF-8) or move it out of the data folder"
+        in _error(["train", "--out", str(tmp_path / "b"), "--data", str(empty)], capsys)
     )
+    # a file given alone: no folder to move it out of
+    alone = _error(["train", "--out", str(tmp_path / "b"), "--data", str(empty / "latin1.txt")], capsys)
+    assert alone.rstrip().endswith("convert it (e.g. iconv -t UTF-8)")
     assert "is shorter than the longest segment (256)" in _error(
         ["train", "--out", str(tmp_path / "c"), "--context", "100", "--data", text_file], capsys
     )

@@ -58,12 +58,16 @@ READ_BYTES = 2**24
 
 
 @overload
-def _read_utf8(path: str, strict: Literal[True]) -> bytes: ...
+def _read_utf8(path: str, strict: Literal[True], in_folder: bool = False) -> bytes: ...
 @overload
-def _read_utf8(path: str, strict: Literal[False]) -> bytes | None: ...
+def _read_utf8(path: str, strict: Literal[False], in_folder: bool = False) -> bytes | None: ...
 
 
-def _read_utf8(path: str, strict: bool) -> bytes | None:
+def _read_utf8(path: str, strict: bool, in_folder: bool = False) -> bytes | None:
+    """The bytes of ``path``, checked to be UTF-8 text part by part; where they are not,
+    or the file cannot be read, ``None`` unless ``strict`` (then a ``ValueError``, whose
+    fix includes moving the file away when it is one of a folder's, ``in_folder``)."""
+    away = " or move it out of the data folder" if in_folder else ""
     decoder = codecs.getincrementaldecoder("utf-8")()
     parts: list[bytes] = []
     done = 0
@@ -79,8 +83,8 @@ def _read_utf8(path: str, strict: bool) -> bytes | None:
                         return None
                     raise ValueError(
                         f"{path} is not UTF-8 text (byte {done - len(exc.object) + exc.start}: "
-                        f"{exc.object[exc.start : exc.start + 1]!r}); train on UTF-8 text files only: convert it "
-                        "(e.g. iconv -t UTF-8) or move it out of the data folder"
+                        f"{exc.object[exc.start : exc.start + 1]!r}): the text must be UTF-8: convert it "
+                        f"(e.g. iconv -t UTF-8){away}"
                     ) from None
                 if not part:
                     return b"".join(parts)
@@ -88,7 +92,7 @@ def _read_utf8(path: str, strict: bool) -> bytes | None:
     except OSError as exc:
         if not strict:
             return None
-        raise ValueError(f"cannot read {path} ({exc.strerror}): fix it or move it out of the data folder") from None
+        raise ValueError(f"cannot read {path} ({exc.strerror}): fix it{away}") from None
 
 
 def load_corpus(path: str | None = None) -> Corpus:
@@ -108,7 +112,7 @@ def load_corpus(path: str | None = None) -> Corpus:
             raise ValueError(
                 f"--data {path}: the folder holds no files to read (hidden files, FIFOs and devices are skipped)"
             )
-        parts = [_read_utf8(f, strict=True) for f in files]
+        parts = [_read_utf8(f, strict=True, in_folder=os.path.isdir(path)) for f in files]
         source = path
     text = b"\n".join(parts)
     if not text.strip():
