@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -259,6 +260,26 @@ def test_distances_never_exceed_the_longest_asked_for():
     assert retrieval.distances("passkey", 15) == [15]
     assert retrieval.distances("passkey", 16) == [16]
     assert retrieval.distances("recall", 100) == [16, 32, 64]
+    with pytest.raises(ValueError, match="max_distance must be >= 14, got 5"):
+        retrieval.distances("passkey", 5)  # below the task's shortest: [5] before, which score then refused
+
+
+def test_score_takes_numpy_distances_and_refuses_others_by_name():
+    import numpy as np
+
+    def constant(tokens):
+        return torch.zeros((*tokens.shape, 256))
+
+    numpy_ints = list(np.array([16, 32]))  # np.geomspace(...).astype(int): an OverflowError in the seed before
+    assert [s.distance for s in retrieval.score(constant, "recall", 64, numpy_ints, examples=1).scores] == [16, 32]
+    for at, error, fragment in (
+        ([16.0], TypeError, "each distance of at must be an int, got float"),
+        ([16, 3], ValueError, "each distance of at must be in [11, 2**40), got 3"),  # recall's shortest: 11
+        (16, TypeError, "at must be a list of distances (ints), got int"),
+        ([], ValueError, "at must hold at least one distance, got none"),
+    ):
+        with pytest.raises(error, match=re.escape(fragment)):
+            retrieval.score(constant, "recall", 64, at, examples=1)
 
 
 def test_evaluate_by_default_works_for_a_context_shorter_than_an_example(tmp_path, capsys):

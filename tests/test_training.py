@@ -1088,6 +1088,75 @@ def test_generate_defaults_to_the_newest_run_that_finished_a_step(tmp_path, text
     )
 
 
+def test_train_checks_every_argument_before_writing(tmp_path, text_file):
+    """Settings changed after they were made, and each other argument, are checked as
+    the constructor checks settings: before the run folder is made."""
+    run = tmp_path / "run"
+    late = settings(text_file)
+    late.min_lr_ratio = math.nan  # a NaN learning rate from step 2 on, and a config.json no reader took
+    for kwargs, error, fragment in (
+        ({"settings": late}, ValueError, "min_lr_ratio must be a finite number in [0, 1], got nan"),
+        ({"settings": dataclasses.replace(settings(text_file), data=None)}, None, None),
+        ({"callback": "print"}, TypeError, "callback must be a function of the step's log record"),
+        ({"resume": "no"}, TypeError, "resume must be a bool, got 'no' (str)"),
+        ({"device": "gpu"}, ValueError, "device must be cpu or cuda (cuda:N for one GPU of several), got 'gpu'"),
+        ({"device": 0}, TypeError, "device must be 'cpu', 'cuda' or a torch.device, got int"),
+    ):
+        if error is None:  # settings without data, changed later: checked too
+            kwargs["settings"].steps = -3
+            error, fragment = ValueError, "steps must be >= 1, got -3"
+        arguments = {"settings": settings(text_file), "model_config": CONFIG, "progress": False, **kwargs}
+        with pytest.raises(error, match=re.escape(fragment)):
+            train(str(run), **arguments)
+        assert not run.exists()
+    with pytest.raises(TypeError, match=re.escape("run_dir must be a path (a str), got NoneType")):
+        train(None, settings(text_file), CONFIG, progress=False)
+    assert late.min_lr_ratio != late.min_lr_ratio  # the caller's settings are not changed
+
+
+def test_a_resumed_run_refuses_another_model(tmp_path, text_file):
+    run = str(tmp_path / "run")
+    train(run, settings(text_file, steps=1), CONFIG, progress=False)
+    with pytest.raises(ValueError, match=re.escape("model_config differs from") + ".*depth 3 vs 2"):
+        train(run, settings(text_file, steps=2), CONFIG.replace(depth=3), resume=True, progress=False)
+    assert train(run, settings(text_file, steps=2), CONFIG, resume=True, progress=False)["step"] == 2  # its own
+
+
+def test_a_run_whose_last_step_ends_out_of_time_is_done(tmp_path, text_file):
+    summary = train(str(tmp_path / "run"), settings(text_file, steps=1, minutes=1e-9), CONFIG, progress=False)
+    assert summary["stopped"] == "done" and summary["step"] == 1  # not "out of time" with nothing left to resume
+
+
+def test_damaged_logs_and_configs_are_named(tmp_path, text_file):
+    run = tmp_path / "run"
+    train(str(run), settings(text_file, steps=1), CONFIG, progress=False)
+    log = run / "log.jsonl"
+    kept = log.read_text()
+    log.write_text('{"step": true}\n')  # a bool is not a step
+    with pytest.raises(ValueError, match="line 1, is not a step's record"):
+        read_log(str(run))
+    log.write_text("[" * 100_000 + "\n")  # nested past the parser's recursion limit
+    with pytest.raises(ValueError, match="line 1, is not a step's record"):
+        read_log(str(run))
+    log.unlink()
+    log.mkdir()
+    with pytest.raises(ValueError, match=re.escape("log.jsonl is not a file: move it away")):
+        read_log(str(run))
+    log.rmdir()
+    log.write_text(kept)
+    (run / "config.json").write_text("[" * 100_000)
+    with pytest.raises(ValueError, match=re.escape("config.json is not a valid run configuration: it nests too deep")):
+        read_run_config(str(run))
+
+
+def test_load_corpus_refuses_what_is_not_a_path():
+    for value in (False, 2):  # read as file descriptors before: stdin, and stderr closed after
+        with pytest.raises(TypeError, match="path must be a file's or folder's path, or None, got"):
+            load_corpus(value)
+    with pytest.raises(ValueError, match=re.escape("dtype must be one of ['bfloat16', 'float32'], got ['float32']")):
+        TrainSettings(dtype=["float32"])
+
+
 def test_settings_and_model_config_of_the_wrong_type_are_type_errors(tmp_path, text_file):
     run = tmp_path / "run"
     with pytest.raises(TypeError, match=re.escape("settings must be a TrainSettings or None, got dict")):

@@ -129,6 +129,7 @@ def _given_settings(args) -> dict:
 
 
 def _cmd_train(args) -> int:
+    device_type(args.device)  # CUDA without a GPU, in the option's words
     given = _given_settings(args)
     if "task_fraction" in given and "task" not in given and not args.resume:
         raise ValueError("--task-fraction needs --task: name the task to mix in (passkey or recall)")

@@ -16,6 +16,7 @@ from typing import Literal, overload
 
 import torch
 
+from ..ops.validation import type_name
 from . import tasks
 
 # Folders of the standard library left out of the default corpus: third-party
@@ -105,6 +106,8 @@ def load_corpus(path: str | None = None) -> Corpus:
         parts = [p for p in (_read_utf8(f, strict=False) for f in files) if p]
         source = f"the Python standard library's .py files under {root}"
     else:
+        if not isinstance(path, (str, os.PathLike)):  # an int or bool would be read as a file descriptor
+            raise TypeError(f"path must be a file's or folder's path, or None, got {type_name(path)}")
         if not os.path.exists(path):
             raise ValueError(f"--data {path}: no such file or folder")
         files = _files_under(path) if os.path.isdir(path) else [path]

@@ -121,13 +121,13 @@ def setup(sequence_parallel: bool, device: str | None, asked_by: str = "--sequen
     pick this rank's device (``cuda:LOCAL_RANK`` on GPUs). ``asked_by``: what asked
     for ``sequence_parallel``, in the error where one process cannot do it."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    kind = device_type(device)
+    kind = device_type(device, "device")
     if world == 1:
         if sequence_parallel:
             raise ValueError(f"{asked_by} needs several processes: launch with torchrun --nproc_per_node N")
         return Parallel(device=torch.device(kind))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if kind == "cuda":
+    if torch.device(kind).type == "cuda":  # each process its own GPU, whichever was named
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:

@@ -18,6 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from ..ops import validation
+from ..tools.arguments import device_type
 from . import tasks
 
 # tokens (B, N) int64 -> logits (B, N', 256) of the last N' positions (N' > the answer's bytes)
@@ -46,7 +47,9 @@ class RetrievalResult:
 def distances(task: str, max_distance: int) -> list[int]:
     """The powers of two from the task's shortest distance up to ``max_distance``; where
     none lies between them, ``max_distance`` alone (never a distance beyond it)."""
-    first = math.ceil(math.log2(tasks.min_distance(task)))
+    shortest = tasks.min_distance(task)
+    max_distance = validation.check_int(max_distance, "max_distance", shortest)
+    first = math.ceil(math.log2(shortest))
     powers = [2**k for k in range(first, max_distance.bit_length())]
     return powers or [max_distance]
 
@@ -74,6 +77,11 @@ def score(
     examples = validation.check_positive_int(examples, "examples")
     batch_size = validation.check_positive_int(batch_size, "batch_size")
     seed = validation.check_int(seed, "seed", 0, validation.SEED_LIMIT)
+    if isinstance(at, (str, bytes)) or not isinstance(at, Sequence):
+        raise TypeError(f"at must be a list of distances (ints), got {validation.type_name(at)}")
+    if not at:
+        raise ValueError("at must hold at least one distance, got none")
+    at = [validation.check_int(d, "each distance of at", tasks.min_distance(task), 2**40) for d in at]
     result = RetrievalResult(task, tasks.chance(task))
     for distance in at:
         length = max(context, tasks.min_length(task, distance))
@@ -219,7 +227,7 @@ def evaluate_run(
                 f"{stem + extension} is a folder where a result file goes: move it, or pass another out (--out)"
             )
         check_output_file(stem + extension, "the result file")
-    device = torch.device(device or "cpu")
+    device = torch.device(device_type("cpu" if device is None else device, "device"))
     check_fits(
         min(batch_size, examples) * longest * activation_bytes(config),
         device,

@@ -160,6 +160,8 @@ def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
         return LongNetConfig.from_dict(saved["model"]), TrainSettings(**saved["training"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path} is not a valid run configuration: {exc}") from None
+    except RecursionError:  # JSON nested deeper than Python's parser goes: not what train writes
+        raise ValueError(f"{path} is not a valid run configuration: it nests too deep for JSON train writes") from None
 
 
 def make_run_folder(run_dir: str) -> None:
@@ -192,12 +194,14 @@ def start_run_folder(run_dir: str, model_config: LongNetConfig, settings: TrainS
 def read_log(run_dir: str) -> list[dict]:
     """The run's log records, oldest first (a last line cut short by a crash is left out)."""
     path = os.path.join(run_dir, LOG)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         return []
     aside = (
         "the checkpoint does not need it: to go on without its records (the loss plot loses them), run "
         f"`mv {shlex.quote(path)} {shlex.quote(path + '.damaged')}`"
     )
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a file: move it away (the checkpoint does not need the log)")
     try:
         with open(path, encoding="utf-8") as f:
             lines = [line for line in f if line.strip()]
@@ -209,9 +213,10 @@ def read_log(run_dir: str) -> list[dict]:
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested deeper than the parser goes
             record = None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
             raise ValueError(f"{path}, line {number}, is not a step's record: the log is damaged; {aside}") from None
         records.append(record)
     return records

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from ..models import LongNetConfig, LongNetLM
 from ..ops import fused, validation
+from ..tools.arguments import device_type
 from ..utils.extras import require
 from ..utils.memory import OutOfMemory, check_fits, first_line, is_out_of_memory
 from . import checkpoint, parallel, run_folder, tasks
@@ -31,7 +32,8 @@ from .settings import AUTOCAST_DTYPES, TrainSettings
 
 
 def load_model(run_dir: str, device="cpu") -> LongNetLM:
-    """The model of a run's latest checkpoint, in eval mode."""
+    """The model of a run's latest checkpoint, in eval mode, on ``device``."""
+    device = device_type(device, "device")
     config, _ = run_folder.read_run_config(run_dir)
     state = checkpoint.load_checkpoint(run_dir)
     model = LongNetLM(_matching_config(run_dir, config, state)).to(device)
@@ -42,17 +44,19 @@ def load_model(run_dir: str, device="cpu") -> LongNetLM:
 def _matching_config(run_dir: str, config: LongNetConfig, state: dict) -> LongNetConfig:
     saved = LongNetConfig.from_dict(state["model_config"])
     if saved != config:
-        changed = {
-            name: (value, getattr(saved, name))
-            for name, value in config.to_dict().items()
-            if value != saved.to_dict()[name]
-        }
-        differences = ", ".join(f"{name} {ours!r} vs {theirs!r}" for name, (ours, theirs) in changed.items())
         raise ValueError(
             f"{os.path.join(run_dir, run_folder.CONFIG)} describes a different model than {run_dir}'s checkpoint "
-            f"({differences}): restore config.json, or train a new run"
+            f"({_differences(config, saved)}): restore config.json, or train a new run"
         )
     return config
+
+
+def _differences(ours: LongNetConfig, theirs: LongNetConfig) -> str:
+    """``depth 4 vs 1, dim 64 vs 32``: the fields where two configs differ."""
+    other = theirs.to_dict()
+    return ", ".join(
+        f"{name} {value!r} vs {other[name]!r}" for name, value in ours.to_dict().items() if value != other[name]
+    )
 
 
 def _parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -111,8 +115,9 @@ def train(
     """Train (or with ``resume=True`` continue) the run in ``run_dir``; return a summary.
 
     A new run needs ``settings`` and ``model_config`` and an empty or missing
-    ``run_dir``; a resumed one reads them from ``run_dir`` (``settings``, if given,
-    may change only ``steps``, ``minutes`` and ``data``; ``minutes`` limits each invocation).
+    ``run_dir``; a resumed one reads them from ``run_dir`` (``model_config``, if given,
+    must be the run's own; ``settings``, if given, may change only ``steps``,
+    ``minutes`` and ``data``; ``minutes`` limits each invocation).
     ``callback(record)`` is called after every step with the step's log record (on
     rank 0). Launched by ``torchrun``, the processes share each step (see
     :mod:`dilated_attention.training.parallel`); every check that can fail runs on
@@ -144,16 +149,29 @@ def _write_failure(exc: OSError, run_dir: str) -> str:
 
 def _train_or_resume(run_dir, settings, model_config, resume, device, callback, progress) -> dict:
     """:func:`train` after its extra is checked."""
-    problem = run_folder.not_utf8(run_dir) if isinstance(run_dir, str) else None
+    if not isinstance(run_dir, (str, os.PathLike)):
+        raise TypeError(f"run_dir must be a path (a str), got {validation.type_name(run_dir)}")
+    run_dir = os.fspath(run_dir)
+    if not isinstance(run_dir, str):
+        raise TypeError(f"run_dir must be a path (a str), got {validation.type_name(run_dir)}")
+    problem = run_folder.not_utf8(run_dir)
     if problem is not None:
         raise ValueError(f"run_dir {problem}")
     _check_type(settings, TrainSettings, "settings")
     _check_type(model_config, LongNetConfig, "model_config")
+    resume = validation.check_flag(resume, "resume")
+    if callback is not None and not callable(callback):
+        raise TypeError(
+            f"callback must be a function of the step's log record (a dict), or None, got "
+            f"{validation.type_name(callback)}"
+        )
     if settings is not None:
-        settings = _with_absolute_data(settings)
+        settings = _checked_settings(settings)
     if resume:
-        model_config, saved = run_folder.read_run_config(run_dir)
-        settings = _resumed_settings(saved, settings)
+        saved_config, saved = run_folder.read_run_config(run_dir)
+        if model_config is not None and model_config != saved_config:
+            _refuse_other_model(run_dir, model_config, saved_config)
+        model_config, settings = saved_config, _resumed_settings(saved, settings)
     elif settings is None or model_config is None:
         raise ValueError("a new run needs settings and model_config")
     else:
@@ -356,7 +374,7 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
                 save()
             if ("val_bpb" in record or last or stop_now) and place.is_main:
                 run_folder.plot(run_dir)
-            if stop_now:
+            if stop_now and not last:  # a run whose last step ends as time runs out is done
                 stop_reason = "interrupted" if interrupted else "out of time"
                 break
     bar.close()
@@ -476,12 +494,20 @@ def _check_type(value, kind: type, name: str) -> None:
         raise TypeError(f"{name} must be a {kind.__name__} or None, got {validation.type_name(value)}{hint}")
 
 
-def _with_absolute_data(settings: TrainSettings) -> TrainSettings:
-    """The settings with the data path made absolute, as a run records it, so that a
-    resumed run reads the same files wherever it is started from."""
-    if settings.data is None:
-        return settings
-    return dataclasses.replace(settings, data=os.path.abspath(settings.data))
+def _checked_settings(settings: TrainSettings) -> TrainSettings:
+    """A copy of ``settings``, checked again (a field set after they were made is
+    checked as the constructor checks it), with the data path made absolute, as a run
+    records it, so that a resumed run reads the same files wherever it is started from."""
+    checked = dataclasses.replace(settings)
+    return checked if checked.data is None else dataclasses.replace(checked, data=os.path.abspath(checked.data))
+
+
+def _refuse_other_model(run_dir: str, given: LongNetConfig, saved: LongNetConfig) -> None:
+    """The ``ValueError`` for a ``model_config`` that is not the resumed run's."""
+    raise ValueError(
+        f"a resumed run keeps its model, and model_config differs from {run_dir}'s ({_differences(given, saved)}): "
+        "pass model_config=None"
+    )
 
 
 def _check_fits(model_config: LongNetConfig, device: torch.device) -> None:
