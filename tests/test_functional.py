@@ -233,6 +233,45 @@ def test_head_dim_that_is_not_unit_stride(dtype):
         assert max_relative_error(grads, ref_grads) <= TOLERANCES[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_inputs_whose_elements_share_memory(dtype):
+    """Heads ``D`` elements long but one element apart (``unfold``'s sliding windows),
+    and rows one element apart: PyTorch's CPU flash op reads outside the first; the
+    library copies what overlaps. Output, decode-step rows and gradients."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 23, 3 + 8 - 1, generator=gen, dtype=torch.float64).to(dtype)
+    heads_overlap = x.unfold(-1, 8, 1)  # (2, 23, 3, 8), strides (230, 10, 1, 1)
+    flat = torch.randn(2 * 23 + 3 * 8, generator=gen, dtype=torch.float64).to(dtype)
+    rows_overlap = flat.as_strided((2, 23, 3, 8), (23, 1, 8, 1))  # a row starts one element after the last
+    k, v = (torch.randn(2, 23, 3, 8, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    for q in (heads_overlap, rows_overlap):
+        keys = [t.clone().requires_grad_() for t in (k, v)]
+        out = dilated_attention(q, *keys, [6, 8], [1, 2], is_causal=True)
+        ref_keys = [t.detach().double().requires_grad_() for t in (k, v)]
+        ref, _ = reference_dilated_attention(q.double(), *ref_keys, [6, 8], [1, 2], is_causal=True)
+        grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        grads = torch.autograd.grad(out, keys, grad.to(dtype))
+        assert max_relative_error(out, ref) <= TOLERANCES[dtype]
+        assert max_relative_error(grads, torch.autograd.grad(ref, ref_keys, grad)) <= TOLERANCES[dtype]
+        step = dilated_attention(q[:, -2:], k, v, [6, 8], [1, 2], is_causal=True)  # the last two rows, as a step
+        assert max_relative_error(step, ref[:, -2:]) <= TOLERANCES[dtype]
+
+
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.float32, 1e8), (torch.float64, 1e18)])
+def test_branches_merge_by_their_shares_whatever_the_scores_size(dtype, scale):
+    """Scores so large that ``log 2`` is below half an ulp of the LSE: two branches that
+    both see a query's best key must average, not add (the output was twice that key's
+    value), in the whole call and in decode steps alike."""
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 8, 1, 4, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3))
+    for is_causal in (False, True):
+        ref, _ = reference_dilated_attention(q, k, v, [8, 4], [1, 1], softmax_scale=scale, is_causal=is_causal)
+        out = dilated_attention(q, k, v, [8, 4], [1, 1], softmax_scale=scale, is_causal=is_causal)
+        assert max_relative_error(out, ref) <= TOLERANCES[dtype]
+    step = dilated_attention(q[:, -1:], k, v, [8, 4], [1, 1], softmax_scale=scale, is_causal=True)
+    assert max_relative_error(step, ref[:, -1:]) <= TOLERANCES[dtype]
+
+
 @pytest.mark.parametrize("strided", ["qk", "v"])
 def test_lse_gradient_with_a_head_dim_of_one_laid_out_sequence_fastest(strided):
     """``(B, N, H, 1)`` whose sequence dim is the fastest: the LSE's gradient column must

@@ -396,6 +396,47 @@ def test_check_says_which_kernels_ran(capsys, monkeypatch):
     assert "error: DILATED_ATTENTION_KERNEL=triton cannot check float64" in capsys.readouterr().err
 
 
+def test_a_refusal_names_the_environment_where_it_chose_triton(monkeypatch):
+    from dilated_attention import StaticKVCache
+
+    monkeypatch.setenv("DILATED_ATTENTION_KERNEL", "triton")
+    for kind in (StaticKVCache, DilatedKVCache):
+        with pytest.raises(
+            ValueError, match=r"^DILATED_ATTENTION_KERNEL=triton cannot run this cache's steps: torch\.f"
+        ):
+            kind(1, 2, 4, [8], [1], dtype=torch.float64)
+    q = torch.randn(1, 16, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^DILATED_ATTENTION_KERNEL=triton cannot run this call: torch\.float64"):
+        dilated_attention(q, q, q, [8], [1])
+
+
+def test_triton_imported_before_the_interpreter_was_asked_for_is_refused_by_name():
+    """``import dilated_attention`` imports Triton (through torch's compiler): setting
+    ``TRITON_INTERPRET=1`` after it leaves Triton's own functions made for a GPU, and a
+    call failed deep in Triton's interpreter; it is refused with the fix instead."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, torch\n"
+        "from dilated_attention import DilatedKVCache, dilated_attention\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "q = torch.randn(1, 20, 2, 16)\n"
+        "for call in (lambda: dilated_attention(q, q, q, [8], [1], kernel='triton'),\n"
+        "             lambda: DilatedKVCache(1, 2, 16, [8], [1], kernel='triton')):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ValueError as exc:\n"
+        "        print(exc)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and all("TRITON_INTERPRET=1 was set after Triton was imported" in line for line in lines)
+    assert lines[0].startswith("kernel='triton' cannot run this call")
+
+
 def test_the_kernels_compile_for_the_gpus_they_target():
     """The interpreter runs what the GPU compiler may refuse: compile each pass for
     sm_90 (Triton's bundled ptxas, no GPU needed), in a process without the interpreter."""

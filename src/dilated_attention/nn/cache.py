@@ -58,6 +58,7 @@ class CacheSettings:
     dtype: torch.dtype
     device: torch.device
     kernel: str  # "auto", "triton" or "torch": as given, else as $DILATED_ATTENTION_KERNEL says when made
+    _kernel_given: bool  # whether the caller gave kernel (else the environment chose it)
 
     def _configure(
         self,
@@ -88,16 +89,15 @@ class CacheSettings:
         self.shape = (int(batch), int(num_heads), int(head_dim))
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # as tensors report it: "cuda:0", not "cuda"
+        given = kernel
         kernel = fused.requested(kernel)  # a ValueError for an unknown choice; the environment read once
         if kernel == "triton":
             # what the configuration alone rules out, refused before anything is made
             step = torch.empty((1, 1, num_heads, head_dim), dtype=dtype, device=self.device)
             reason = fused.why_not_triton(step, 0.0, False, capturable=True)
             if reason is not None:
-                raise ValueError(
-                    f"kernel='triton' cannot run this cache's steps: {reason}; or use kernel='auto' or 'torch'"
-                )
-        self.kernel = kernel
+                raise fused.refusal(given, "this cache's steps", reason)
+        self.kernel, self._kernel_given = kernel, given is not None
 
     def _takes_kernel(self, q: torch.Tensor) -> bool:
         """Whether a step runs the fused Triton launches: with ``kernel="auto"`` on CUDA
@@ -110,7 +110,7 @@ class CacheSettings:
         if reason is None and torch.is_grad_enabled() and q.requires_grad:
             reason = "the fused launches have no backward (q requires grad)"
         if choice == "triton" and reason is not None:
-            raise ValueError(f"kernel='triton' cannot run this step: {reason}; or use kernel='auto' or 'torch'")
+            raise fused.refusal("triton" if self._kernel_given else None, "this step", reason)
         return reason is None
 
     def _well_formed(self, q, k, v) -> bool:

@@ -157,9 +157,27 @@ def _from_kernel(y: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself if its last dim is unit-stride (the fused kernels assume it), else a
-    contiguous copy. Other strides, 0 included, are passed through as they are."""
-    return x if x.shape[-1] == 1 or x.stride(-1) == 1 else x.contiguous()
+    """``x`` itself if its last dim is unit-stride (the fused kernels assume it) and no
+    two of its elements share memory through dims of nonzero stride, else a contiguous
+    copy. Other strides, 0 included (an expanded tensor), are passed through as they
+    are. Overlapping dims are copied because PyTorch's CPU flash op reads outside such a
+    tensor (heads ``D`` elements long but one element apart, as ``unfold`` makes them:
+    wrong outputs, torch 2.13)."""
+    if x.is_contiguous():
+        return x
+    return x if (x.shape[-1] == 1 or x.stride(-1) == 1) and not _overlaps(x) else x.contiguous()
+
+
+def _overlaps(x: torch.Tensor) -> bool:
+    """Whether two elements of ``x`` may share memory through dims of nonzero stride: a
+    conservative test (dims in order of stride, each must step past the extent of those
+    below it), exact for the layouts of views of one contiguous tensor."""
+    extent = 0
+    for stride, size in sorted((abs(st), sz) for sz, st in zip(x.shape, x.stride(), strict=True) if sz > 1 and st):
+        if stride <= extent:
+            return True
+        extent += (size - 1) * stride
+    return False
 
 
 def _key_mask(pad: torch.Tensor | None, dtype, is_causal: bool):
@@ -354,15 +372,20 @@ def _write(dst: torch.Tensor, src: torch.Tensor, fresh: bool, scale: float = 1.0
 
 
 def merge_into(out, lse, o, o_lse, scale: float = 1.0) -> None:
-    """In place: ``lse <- logaddexp(lse, o_lse)``,
-    ``out <- out * e^(lse_old - lse) + scale * o * e^(o_lse - lse)``.
+    """In place: ``out <- out + share * (scale * o - out)``, ``lse <- logaddexp(lse, o_lse)``,
+    with ``share = sigmoid(o_lse - lse)``, the block's part of the joint denominator.
 
     ``out`` ``(..., D)`` and ``lse`` ``(...)`` are views into the running buffers; ``out``
-    already carries the factor ``scale``."""
-    new = torch.logaddexp(lse, o_lse)
-    base = new.nan_to_num(nan=math.nan, neginf=0.0)  # -inf (no key yet) -> 0; NaN stays
-    out.mul_((lse - base).exp_().unsqueeze(-1)).addcmul_(o, (o_lse - base).exp_().unsqueeze(-1), value=scale)
-    lse.copy_(new)
+    already carries the factor ``scale``. The two parts sum to 1 whatever the LSEs' size
+    (weights ``e^(lse_i - lse_new)`` would carry the rounding of ``lse_new``: where
+    ``log 2`` is below half an ulp of two equal LSEs, both became 1 and the output
+    doubled). A cell neither side has a key for (both ``-inf``) keeps its 0; a NaN
+    reaches a cell through ``out`` or ``o``, which hold it wherever an LSE does. ``o``
+    may be overwritten."""
+    share = (o_lse - lse).sigmoid_().nan_to_num_(nan=0.0).unsqueeze(-1)
+    end = o.to(out.dtype)
+    out.lerp_(end.mul_(scale) if scale != 1.0 else end, share)
+    lse.copy_(torch.logaddexp(lse, o_lse))
 
 
 def _accumulation_dtype(dtype: torch.dtype, cfg: EngineConfig, remote: bool = False) -> torch.dtype:

@@ -14,10 +14,11 @@ The choice, per call: the ``kernel`` argument of
 - ``"triton"``: the Triton kernels, or a ``ValueError`` saying why they cannot run
   this call (never a silent fallback). They also take float32 (exact dots, no TF32)
   and any head dim up to 256; on the CPU they run in Triton's interpreter, which
-  needs ``TRITON_INTERPRET=1`` in the environment before Triton is imported (for tests);
+  needs ``TRITON_INTERPRET=1`` in the environment before Triton is imported (for tests;
+  ``import dilated_attention`` imports it, through torch's compiler);
 - ``"torch"``: PyTorch's kernels.
 
-Nothing here imports Triton until a call runs the Triton kernels.
+Nothing here imports Triton until a call asks for the Triton kernels.
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool, capturabl
                 "on the CPU they run only in Triton's interpreter: set TRITON_INTERPRET=1 in the environment "
                 "before Triton is imported (best: before Python starts)"
             )
+        if not _interpreter_in_effect():
+            return (
+                "TRITON_INTERPRET=1 was set after Triton was imported (import dilated_attention imports it, "
+                "through torch.compile's modules), so Triton's own functions were made for a GPU: set it in the "
+                "environment before Python starts"
+            )
         return None
     if q.device.type != "cuda":
         return f"Triton has no backend for {q.device.type} tensors here"
@@ -96,6 +103,28 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _interpreter_in_effect() -> bool:
+    """Whether Triton's own jit functions (``tl.max``) were made for its interpreter:
+    Triton chooses it for each function when the function is defined, so
+    ``TRITON_INTERPRET=1`` set after Triton was imported does not take. ``True`` where
+    Triton's internals are not as this test knows them."""
+    try:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return True
+    made = getattr(tl, "max", None)
+    return not isinstance(made, JITFunction) or isinstance(made, InterpretedFunction)
+
+
+def refusal(kernel: str | None, what: str, reason: str) -> ValueError:
+    """The error for the Triton kernels asked for, by ``kernel="triton"`` or (``kernel``
+    ``None``) by the environment, where they cannot run ``what`` for ``reason``."""
+    given = "kernel='triton'" if kernel is not None else f"{KERNEL_ENV}=triton"
+    return ValueError(f"{given} cannot run {what}: {reason}; or use kernel='auto' or 'torch'")
+
+
 def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: str | None) -> bool:
     """Whether a call on ``q`` runs the Triton kernels (see the module docstring); a
     ``ValueError`` for ``kernel="triton"`` where they cannot."""
@@ -105,7 +134,7 @@ def use_triton(q: torch.Tensor, dropout: float, distributed: bool, kernel: str |
     reason = why_not_triton(q, dropout, distributed)
     if choice == "triton":
         if reason is not None:
-            raise ValueError(f"kernel='triton' cannot run this call: {reason}; or use kernel='auto' or 'torch'")
+            raise refusal(kernel, "this call", reason)
         return True
     return reason is None and q.device.type == "cuda" and q.dtype in AUTO_DTYPES and q.shape[-1] >= AUTO_MIN_HEAD_DIM
 
