@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dilated_attention import dilated_attention, reference_dilated_attention
+from dilated_attention import DilatedKVCache, dilated_attention, reference_dilated_attention
 from dilated_attention.ops import kernels
 from dilated_attention.ops.kernels import MathKernel
 from dilated_attention.tools.check import TOLERANCES, lse_error, max_relative_error
@@ -255,6 +255,9 @@ def test_inputs_whose_elements_share_memory(dtype):
         assert max_relative_error(grads, torch.autograd.grad(ref, ref_keys, grad)) <= TOLERANCES[dtype]
         step = dilated_attention(q[:, -2:], k, v, [6, 8], [1, 2], is_causal=True)  # the last two rows, as a step
         assert max_relative_error(step, ref[:, -2:]) <= TOLERANCES[dtype]
+        cache = DilatedKVCache(2, 3, 8, [6, 8], [1, 2], dtype=dtype)
+        steps = [cache.attend(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1]) for i in range(q.shape[1])]
+        assert max_relative_error(torch.cat(steps, 1), ref) <= TOLERANCES[dtype]
 
 
 @pytest.mark.parametrize(("dtype", "scale"), [(torch.float32, 1e8), (torch.float64, 1e18)])

@@ -165,18 +165,33 @@ def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
     wrong outputs, torch 2.13)."""
     if x.is_contiguous():
         return x
-    return x if (x.shape[-1] == 1 or x.stride(-1) == 1) and not _overlaps(x) else x.contiguous()
+    strides, shape = x.stride(), x.shape
+    if (strides[-1] != 1 and shape[-1] != 1) or _overlaps(strides, shape):
+        return x.contiguous()
+    return x
 
 
-def _overlaps(x: torch.Tensor) -> bool:
-    """Whether two elements of ``x`` may share memory through dims of nonzero stride: a
-    conservative test (dims in order of stride, each must step past the extent of those
-    below it), exact for the layouts of views of one contiguous tensor."""
+def _overlaps(strides: tuple[int, ...], shape: torch.Size) -> bool:
+    """Whether two elements of a tensor of these strides and shape may share memory
+    through dims of nonzero stride: each dim must step past the extent of the dims of
+    smaller stride (a conservative test, exact for views of one contiguous tensor).
+    Dims in their own order first (a slice's, a decode window's: no sort), then sorted."""
+    extent, dim = 0, len(strides)
+    while dim:  # an index loop: the cheapest in Python, where a decode step counts microseconds
+        dim -= 1
+        size, stride = shape[dim], strides[dim]
+        if size > 1 and stride:
+            if stride <= extent:
+                break
+            extent += (size - 1) * stride
+    else:
+        return False
     extent = 0
-    for stride, size in sorted((abs(st), sz) for sz, st in zip(x.shape, x.stride(), strict=True) if sz > 1 and st):
-        if stride <= extent:
-            return True
-        extent += (size - 1) * stride
+    for stride, size in sorted(zip(strides, shape, strict=True)):  # strides are never negative
+        if size > 1 and stride:
+            if stride <= extent:
+                return True
+            extent += (size - 1) * stride
     return False
 
 
