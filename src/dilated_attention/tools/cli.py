@@ -16,6 +16,7 @@ from .. import __version__
 from ..ops import fused, validation
 from ..ops.plan import MODES
 from ..training.commands import add_evaluate, add_generate, add_train
+from ..utils.devices import device_type
 from ..utils.extras import MissingExtra, require
 from ..utils.files import check_output_file, check_output_folder, fresh_folder, write_results
 from ..utils.memory import OutOfMemory, check_fits, first_line, is_out_of_memory
@@ -23,7 +24,6 @@ from . import benchmark
 from .arguments import (
     Parser,
     dense_steps,
-    device_type,
     number,
     position,
     positive_float,

@@ -16,7 +16,8 @@ import torch
 
 from ..models import PRESETS, LongNetConfig
 from ..ops.validation import counted
-from ..tools.arguments import device_type, number, seed
+from ..tools.arguments import number, seed
+from ..utils.devices import device_type
 from ..utils.files import check_output_folder
 from . import checkpoint, run_folder, tasks
 from .run_folder import read_log, read_run_config

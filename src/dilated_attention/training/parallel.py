@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from ..tools.arguments import device_type
+from ..utils.devices import device_type
 
 T = TypeVar("T")
 

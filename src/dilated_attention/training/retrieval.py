@@ -18,7 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from ..ops import validation
-from ..tools.arguments import device_type
+from ..utils.devices import device_type
 from . import tasks
 
 # tokens (B, N) int64 -> logits (B, N', 256) of the last N' positions (N' > the answer's bytes)

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from ..models import LongNetConfig, LongNetLM
 from ..ops import fused, validation
-from ..tools.arguments import device_type
+from ..utils.devices import device_type
 from ..utils.extras import require
 from ..utils.memory import OutOfMemory, check_fits, first_line, is_out_of_memory
 from . import checkpoint, parallel, run_folder, tasks
