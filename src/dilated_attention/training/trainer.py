@@ -149,9 +149,7 @@ def _write_failure(exc: OSError, run_dir: str) -> str:
 
 def _train_or_resume(run_dir, settings, model_config, resume, device, callback, progress) -> dict:
     """:func:`train` after its extra is checked."""
-    if not isinstance(run_dir, (str, os.PathLike)):
-        raise TypeError(f"run_dir must be a path (a str), got {validation.type_name(run_dir)}")
-    run_dir = os.fspath(run_dir)
+    run_dir = os.fspath(run_dir) if isinstance(run_dir, os.PathLike) else run_dir
     if not isinstance(run_dir, str):
         raise TypeError(f"run_dir must be a path (a str), got {validation.type_name(run_dir)}")
     problem = run_folder.not_utf8(run_dir)
