@@ -472,6 +472,66 @@ def test_the_bounded_cache_needs_the_model_to_run_the_registration():
 
 
 @torch.no_grad()
+def test_the_bounded_cache_refuses_another_batch_and_numbering_that_does_not_continue():
+    """A batch other than the one the cache holds (its rows were spread over the new
+    ones), and position_ids that jump between calls, or skip a 0 of the mask (the kept
+    keys were renumbered), are refused; a cache continued consistently, or reset, runs."""
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    tokens = torch.randint(0, 61, (2, 12))
+    for held, fed in ((1, 2), (2, 1)):
+        cache = DilatedCache(model)
+        model(tokens[:held, :10], past_key_values=cache)
+        with pytest.raises(ValueError, match=f"holds {held} sequences and the call feeds {fed}"):
+            model(tokens[:fed, 10:11], past_key_values=cache)
+        assert cache.get_seq_length() == 10  # refused before it was appended
+    for positions, row in (([[15], [15]], 0), ([[10], [9]], 1)):  # a jump; row 1 numbered as if a slot were skipped
+        cache = DilatedCache(model)
+        model(tokens[:, :10], past_key_values=cache)
+        message = f"position_ids of row {row} number its next token {positions[row][0]}, where the tokens the cache"
+        with pytest.raises(ValueError, match=message):
+            model(tokens[:, 10:11], past_key_values=cache, position_ids=torch.tensor(positions))
+    cache = DilatedCache(model)
+    model(tokens[:, :10], past_key_values=cache)
+    expected = model(tokens[:, :11]).logits[:, -1]
+    step = model(tokens[:, 10:11], past_key_values=cache, position_ids=torch.tensor([[10], [10]])).logits[:, -1]
+    assert float((step - expected).abs().max()) <= 1e-12
+    cache.reset()
+    model(tokens[:, 3:8], past_key_values=cache)  # numbered anew after a reset
+    with pytest.raises(TypeError, match=re.escape("position_ids must be integers (torch.long), got torch.float64")):
+        model(tokens[:, :3], position_ids=torch.arange(3.0, dtype=torch.float64)[None])
+
+
+@torch.no_grad()
+def test_the_bounded_cache_counts_the_buffers_a_reorder_leaves_until_the_next_step():
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    cache = DilatedCache(model)
+    tokens = torch.randint(0, 61, (4, 12))
+    model(tokens[:, :10], past_key_values=cache)
+    model(tokens[:, 10:11], past_key_values=cache)  # a step: appended in place, into buffers
+    before = cache.nbytes
+    cache.batch_select_indices(torch.tensor([0]))  # transformers' new keys: the buffers stay until the next step
+    assert cache.nbytes > before
+    model(tokens[:1, 11:12], past_key_values=cache)
+    assert cache.nbytes < before  # one row's buffers now
+
+
+def test_a_bounded_cache_refuses_a_name_that_is_not_a_str_and_a_registration_grown_since():
+    model = tiny("llama")
+    model.set_attn_implementation("dilated")
+    for name in (["dilated"], 123):
+        with pytest.raises(TypeError, match="name must be a registration's name"):
+            DilatedCache(model, name)
+    cache = DilatedCache(model)
+    with torch.no_grad():
+        model(torch.randint(0, 61, (1, 9)), past_key_values=cache)
+        register("dilated", segment_lengths=[4, 16], dilation_rates=[1, 2])  # the autouse fixture restores it
+        with pytest.raises(ValueError, match=r"keeps the positions segments of up to 8 reach.*segments of 16"):
+            model(torch.randint(0, 61, (1, 1)), past_key_values=cache)
+
+
+@torch.no_grad()
 def test_a_cache_the_model_does_not_take_is_refused_not_ignored():
     """past_key_values= is the keyword every supported transformers version takes. A
     DilatedCache under a name the model's forward does not take (cache= before

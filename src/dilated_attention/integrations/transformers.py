@@ -133,10 +133,18 @@ class _WindowLayer(DynamicSlidingWindowLayer):
     # Whether the layer keeps every position until a crop (assisted generation; set by
     # transformers from 5.x on, whose layers set it per instance; 4.x has no such mode).
     record_past = False
+    # Per batch row, the position of the row's slot 0 (None: not known), as the attention
+    # function found it from position_ids; it holds while the kept keys are those this
+    # layer last returned (_numbered): a reorder, crop or selection by transformers
+    # replaces them, and the next call finds it anew.
+    _offsets: list[int | None] | None = None
+    _numbered: torch.Tensor | None = None
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self._nonfinite_until = 0
+        _check_batch(self.keys, key_states)
+        known = self._offsets if self._numbered is not None and self.keys is self._numbered else None
         length = key_states.shape[-2]
         in_place = length < self.sliding_window // 2 and not self.record_past
         if in_place and torch.is_grad_enabled():
@@ -150,6 +158,7 @@ class _WindowLayer(DynamicSlidingWindowLayer):
             keys, values = self._append(key_states, value_states)
         else:
             keys, values = super().update(key_states, value_states, *args, **kwargs)
+            self._buffers = self._kept = None  # the kept positions are transformers' tensors now
             for name in ("keys", "values"):
                 kept = getattr(self, name)
                 if kept.untyped_storage().nbytes() > 2 * kept.numel() * kept.element_size():
@@ -160,6 +169,9 @@ class _WindowLayer(DynamicSlidingWindowLayer):
         keys.dilated_first_slot = self.cumulative_length - keys.shape[-2]  # type: ignore[attr-defined]
         # Whether every key and value of the returned window is finite.
         keys.dilated_finite = self._nonfinite_until <= keys.dilated_first_slot  # type: ignore[attr-defined]
+        # Where the attention function checks and records the rows' numbering.
+        keys.dilated_numbering = (self, known)  # type: ignore[attr-defined]
+        self._numbered = self.keys
         return keys, values
 
     def reset(self) -> None:
@@ -170,6 +182,7 @@ class _WindowLayer(DynamicSlidingWindowLayer):
         self.keys = self.values = None
         self.is_initialized = False
         self._buffers = self._kept = None
+        self._offsets = self._numbered = None
         self.record_past = False
         super().reset()
 
@@ -232,6 +245,8 @@ class DilatedCache(Cache):
         config = getattr(model, "config", model)
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"model must be a transformers model or config, got {validation.type_name(model)}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a registration's name (a str) or None, got {validation.type_name(name)}")
         config = config.get_text_config(decoder=True)
         running = config._attn_implementation
         name = running if name is None else name
@@ -277,8 +292,11 @@ def _check_running(config, name: str) -> None:
 
 def held_bytes(cache: Cache) -> int:
     """Bytes of memory (whole storages, each counted once) the keys and values of a
-    ``transformers`` cache hold on to."""
-    tensors = (getattr(layer, name, None) for layer in cache.layers for name in ("keys", "values"))
+    ``transformers`` cache hold on to: a :class:`DilatedCache`'s buffers too, which
+    outlive the keys ``transformers`` replaces (a reorder of beam search, a crop) until
+    the next step."""
+    tensors = [getattr(layer, name, None) for layer in cache.layers for name in ("keys", "values")]
+    tensors += [t for layer in cache.layers for t in (getattr(layer, "_buffers", None) or ())]
     held = [t for t in tensors if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
     return sum(storages.values())
@@ -316,6 +334,16 @@ def dilated_attention_forward(
         )
     first_slot = getattr(key, "dilated_first_slot", 0)  # set by DilatedCache: the window's first slot
     first = _first_key_positions(kwargs.get("position_ids"), mask, batch, num_queries, num_keys, first_slot)
+    numbering = getattr(key, "dilated_numbering", None)  # set by DilatedCache
+    if numbering is not None:
+        layer, known = numbering
+        _check_numbering(layer, known, first, first_slot, num_keys - num_queries)
+        if max(segment_lengths) > layer.sliding_window:
+            raise ValueError(
+                f"this DilatedCache keeps the positions segments of up to {layer.sliding_window} reach, and the "
+                f"registration the model runs now has segments of {max(segment_lengths)} (registered again?): "
+                "build a new DilatedCache(model) for it"
+            )
     _check_keys_reach_back(first, num_keys - num_queries, segment_lengths)
     options = dict(
         segment_lengths=segment_lengths,
@@ -442,6 +470,8 @@ def _first_key_positions(
                     "right, or run each prompt alone"
                 )
         return [int(first_slot)] * batch
+    if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids must be integers (torch.long), got {position_ids.dtype}")
     if (
         position_ids.dim() not in (1, 2)
         or position_ids.shape[-1] != num_queries
@@ -477,6 +507,36 @@ def _first_key_positions(
             "'left'), with no 0 between a row's tokens"
         )
     return row_first.squeeze(1).tolist()
+
+
+def _check_numbering(layer: _WindowLayer, known, first: list[int], first_slot: int, first_query_slot: int) -> None:
+    """Refuse ``position_ids`` that do not continue a :class:`DilatedCache`'s numbering
+    (a jump between calls, or a 0 in ``attention_mask`` that the numbering skipped: the
+    kept keys would be renumbered), then record each row's: ``known`` from the calls
+    before, ``first`` this call's first-key positions, from cache slot ``first_slot``."""
+    offsets = [None if position == NO_QUERY else position - first_slot for position in first]
+    if known is not None and len(known) == len(offsets):
+        for row, (was, now) in enumerate(zip(known, offsets, strict=True)):
+            if was is not None and now is not None and was != now:
+                slot = first_slot + first_query_slot
+                raise ValueError(
+                    f"position_ids of row {row} number its next token {now + slot}, where the tokens the cache "
+                    f"holds make it {was + slot}: number each row's tokens consecutively across calls (with no "
+                    "jump, and counting a 0 in attention_mask as a slot), or reset() the cache to start anew"
+                )
+        offsets = [was if now is None else now for was, now in zip(known, offsets, strict=True)]
+    layer._offsets = offsets
+
+
+def _check_batch(kept: torch.Tensor | None, key_states: torch.Tensor) -> None:
+    """A ``ValueError`` where a call feeds another batch than the cache holds: its rows
+    would be spread over the new ones (transformers' own cache refuses it too)."""
+    if isinstance(kept, torch.Tensor) and kept.dim() == 4 and kept.shape[2] and kept.shape[0] != key_states.shape[0]:
+        raise ValueError(
+            f"this DilatedCache holds {kept.shape[0]} sequences and the call feeds {key_states.shape[0]}: feed "
+            "the batch it was filled with, reset() it (or build a new one) for another batch, or select or "
+            "repeat its rows first (batch_select_indices, batch_repeat_interleave)"
+        )
 
 
 def _all_or(real: torch.Tensor | None, row: int):
