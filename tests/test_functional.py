@@ -260,6 +260,26 @@ def test_inputs_whose_elements_share_memory(dtype):
         assert max_relative_error(torch.cat(steps, 1), ref) <= TOLERANCES[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_query_expanded_over_the_sequence_beside_a_head_of_stride_one(dtype):
+    """``(B, N, 1, D)`` expanded over ``N`` (stride 0) from the ``b n (d h)`` layout, its
+    one head of stride 1: PyTorch's CPU flash op misreads it; the library restrides the
+    size-1 dim (no copy). Output, decode rows and gradients of ``k, v``."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 1, 8, 1, generator=gen, dtype=torch.float64).to(dtype).transpose(2, 3).expand(2, 23, 1, 8)
+    assert q.stride() == (8, 0, 1, 1)
+    k, v = (torch.randn(2, 23, 1, 8, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() for _ in range(2))
+    out = dilated_attention(q, k, v, [6, 8], [1, 2], is_causal=True)
+    ref_keys = [t.detach().double().requires_grad_() for t in (k, v)]
+    ref, _ = reference_dilated_attention(q.double(), *ref_keys, [6, 8], [1, 2], is_causal=True)
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    assert max_relative_error(out, ref) <= TOLERANCES[dtype]
+    grads = torch.autograd.grad(out, (k, v), grad.to(dtype))
+    assert max_relative_error(grads, torch.autograd.grad(ref, ref_keys, grad)) <= TOLERANCES[dtype]
+    step = dilated_attention(q[:, -2:], k.detach(), v.detach(), [6, 8], [1, 2], is_causal=True)
+    assert max_relative_error(step, ref[:, -2:]) <= TOLERANCES[dtype]
+
+
 @pytest.mark.parametrize(("dtype", "scale"), [(torch.float32, 1e8), (torch.float64, 1e18)])
 def test_branches_merge_by_their_shares_whatever_the_scores_size(dtype, scale):
     """Scores so large that ``log 2`` is below half an ulp of the LSE: two branches that

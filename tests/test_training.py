@@ -1149,6 +1149,34 @@ def test_damaged_logs_and_configs_are_named(tmp_path, text_file):
         read_run_config(str(run))
 
 
+def test_subclasses_of_the_settings_and_config_run_and_resume_as_their_base(tmp_path, text_file):
+    """A run folder records the base classes' fields: a subclass's own field made a
+    config.json that no reader took (the run could not resume or load)."""
+
+    @dataclasses.dataclass
+    class NotedSettings(TrainSettings):
+        note: str = "first try"
+
+    @dataclasses.dataclass(frozen=True)
+    class NamedConfig(LongNetConfig):
+        name: str = "tiny"
+
+    run = str(tmp_path / "run")
+    noted = NotedSettings(**dataclasses.asdict(settings(text_file, steps=1)))
+    train(run, noted, NamedConfig(**CONFIG.to_dict()), progress=False)
+    assert read_run_config(run) == (CONFIG, dataclasses.replace(settings(text_file, steps=1), data=text_file))
+    assert train(run, settings(text_file, steps=2), resume=True, progress=False)["step"] == 2
+    assert isinstance(load_model(run), torch.nn.Module)
+
+
+def test_run_folder_readers_name_their_argument(tmp_path):
+    for reader in (read_log, read_run_config):
+        with pytest.raises(TypeError, match="run_dir must be a path"):
+            reader(5)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_log(str(tmp_path / "typo"))  # [] before, as for a run that has logged nothing
+
+
 def test_load_corpus_refuses_what_is_not_a_path():
     for value in (False, 2):  # read as file descriptors before: stdin, and stderr closed after
         with pytest.raises(TypeError, match="path must be a file's or folder's path, or None, got"):

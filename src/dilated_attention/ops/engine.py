@@ -162,10 +162,18 @@ def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
     copy. Other strides, 0 included (an expanded tensor), are passed through as they
     are. Overlapping dims are copied because PyTorch's CPU flash op reads outside such a
     tensor (heads ``D`` elements long but one element apart, as ``unfold`` makes them:
-    wrong outputs, torch 2.13)."""
+    wrong outputs, torch 2.13); beside an expanded dim, dims of size 1 are given new
+    strides by views (no copy; ``as_strided`` would blur the gradient of an expanded
+    input), as the op misreads a query expanded over the sequence whose single head has
+    stride 1."""
     if x.is_contiguous():
         return x
     strides, shape = x.stride(), x.shape
+    if 0 in strides:
+        for dim in range(x.dim() - 2, -1, -1):
+            if shape[dim] == 1:
+                x = x.squeeze(dim).unsqueeze(dim)  # the stride of the dims after it, as a contiguous tensor's
+        strides = x.stride()
     if (strides[-1] != 1 and shape[-1] != 1) or _overlaps(strides, shape):
         return x.contiguous()
     return x

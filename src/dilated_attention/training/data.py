@@ -109,11 +109,11 @@ def load_corpus(path: str | None = None) -> Corpus:
         if not isinstance(path, (str, os.PathLike)):  # an int or bool would be read as a file descriptor
             raise TypeError(f"path must be a file's or folder's path, or None, got {type_name(path)}")
         if not os.path.exists(path):
-            raise ValueError(f"--data {path}: no such file or folder")
+            raise ValueError(f"data (--data) {path}: no such file or folder")
         files = _files_under(path) if os.path.isdir(path) else [path]
         if not files:
             raise ValueError(
-                f"--data {path}: the folder holds no files to read (hidden files, FIFOs and devices are skipped)"
+                f"data (--data) {path}: the folder holds no files to read (hidden files, FIFOs and devices are skipped)"
             )
         parts = [_read_utf8(f, strict=True, in_folder=os.path.isdir(path)) for f in files]
         source = path

@@ -157,6 +157,10 @@ def _train_or_resume(run_dir, settings, model_config, resume, device, callback, 
         raise ValueError(f"run_dir {problem}")
     _check_type(settings, TrainSettings, "settings")
     _check_type(model_config, LongNetConfig, "model_config")
+    if model_config is not None and type(model_config) is not LongNetConfig:  # a subclass: the fields a run keeps
+        model_config = LongNetConfig(
+            **{f.name: getattr(model_config, f.name) for f in dataclasses.fields(LongNetConfig)}
+        )
     resume = validation.check_flag(resume, "resume")
     if callback is not None and not callable(callback):
         raise TypeError(
@@ -493,10 +497,11 @@ def _check_type(value, kind: type, name: str) -> None:
 
 
 def _checked_settings(settings: TrainSettings) -> TrainSettings:
-    """A copy of ``settings``, checked again (a field set after they were made is
-    checked as the constructor checks it), with the data path made absolute, as a run
-    records it, so that a resumed run reads the same files wherever it is started from."""
-    checked = dataclasses.replace(settings)
+    """A ``TrainSettings`` of ``settings``' fields (a subclass's own are not kept: the run
+    folder records these), checked again (a field set after they were made is checked
+    as the constructor checks it), with the data path made absolute, as a run records
+    it, so that a resumed run reads the same files wherever it is started from."""
+    checked = TrainSettings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(TrainSettings)})
     return checked if checked.data is None else dataclasses.replace(checked, data=os.path.abspath(checked.data))
 
 
