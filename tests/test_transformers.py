@@ -491,6 +491,15 @@ def test_the_bounded_cache_refuses_another_batch_and_numbering_that_does_not_con
         message = f"position_ids of row {row} number its next token {positions[row][0]}, where the tokens the cache"
         with pytest.raises(ValueError, match=message):
             model(tokens[:, 10:11], past_key_values=cache, position_ids=torch.tensor(positions))
+        # its first layer took the refused call's keys, the second did not: refused until reset
+        with pytest.raises(ValueError, match=r"holds part of a call that failed .* reset\(\) it"):
+            model(tokens[:, 10:11], past_key_values=cache)
+        cache.reorder_cache(torch.tensor([1, 0]))  # as beam search does between steps: refused still
+        with pytest.raises(ValueError, match="holds part of a call that failed"):
+            model(tokens[:, 10:11], past_key_values=cache)
+        cache.reset()
+        model(tokens[:, :10], past_key_values=cache)
+        assert [layer.cumulative_length for layer in cache.layers] == [10, 10]
     cache = DilatedCache(model)
     model(tokens[:, :10], past_key_values=cache)
     expected = model(tokens[:, :11]).logits[:, -1]

@@ -139,6 +139,9 @@ class _WindowLayer(DynamicSlidingWindowLayer):
     # replaces them, and the next call finds it anew.
     _offsets: list[int | None] | None = None
     _numbered: torch.Tensor | None = None
+    # Shared by the layers of one DilatedCache (which sets it): whether a call failed
+    # after some layers took its keys (the cache then refuses calls until reset).
+    failed: list[bool]
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -259,19 +262,33 @@ class DilatedCache(Cache):
         self._config, self._name = config, name
         # The layer keeps sliding_window - 1 positions; at least one (a window of 1 keeps all).
         self.window = max(2, max(_REGISTERED[name]["segment_lengths"]))
-        super().__init__(layers=[_WindowLayer(sliding_window=self.window) for _ in range(config.num_hidden_layers)])
+        layers: list = [_WindowLayer(sliding_window=self.window) for _ in range(config.num_hidden_layers)]
+        self._failed = [False]
+        for layer in layers:
+            layer.failed = self._failed
+        super().__init__(layers=layers)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """``transformers``' update, once the model is known to still run the registration
         (after ``set_attn_implementation("sdpa")`` the model would read the kept window
         as a sliding window)."""
         _check_running(self._config, self._name)
+        if self._failed[0]:
+            raise ValueError(
+                "this DilatedCache holds part of a call that failed (the layers before the failure took its keys): "
+                "reset() it and feed the sequence again, or build a new DilatedCache"
+            )
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(
                 f"this DilatedCache has {len(self.layers)} layers, for the model it was built for, and layer "
                 f"{layer_idx} asks for one: a cache belongs to its model, build DilatedCache(model) for this one"
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reset(self) -> None:
+        """Empty every layer (transformers' reset), and take calls again after one failed."""
+        super().reset()
+        self._failed[0] = False
 
     @property
     def nbytes(self) -> int:
@@ -322,7 +339,26 @@ def dilated_attention_forward(
     """The ``transformers`` attention function: ``query`` ``(B, H, Lq, D)``, ``key,
     value`` ``(B, H_kv, Lk, D)`` (the queries are the last ``Lq`` of the ``Lk`` key
     slots; the keys may be a window of the sequence, as :class:`DilatedCache` keeps),
-    ``s_aux`` optional attention sinks ``(H,)`` -> ``((B, Lq, H, D), None)``."""
+    ``s_aux`` optional attention sinks ``(H,)`` -> ``((B, Lq, H, D), None)``. A call
+    that fails once a :class:`DilatedCache` took its keys leaves the cache refusing
+    further calls until it is reset (its layers would hold different positions)."""
+    try:
+        return _attention(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal,
+            segment_lengths, dilation_rates, mode, head_offsets, s_aux, kwargs,
+        )  # fmt: skip
+    except Exception:
+        numbering = getattr(key, "dilated_numbering", None)  # set by DilatedCache
+        if numbering is not None:
+            numbering[0].failed[0] = True
+        raise
+
+
+def _attention(
+    module, query, key, value, attention_mask, dropout, scaling, is_causal,
+    segment_lengths, dilation_rates, mode, head_offsets, s_aux, kwargs,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """:func:`dilated_attention_forward`'s work."""
     _refuse_unsupported(module, key, attention_mask, is_causal, kwargs, max(segment_lengths))
     _check_sinks(s_aux, query.shape[1])
     batch, _, num_queries, _ = query.shape
