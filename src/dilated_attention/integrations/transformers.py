@@ -273,6 +273,13 @@ class DilatedCache(Cache):
         (after ``set_attn_implementation("sdpa")`` the model would read the kept window
         as a sliding window)."""
         _check_running(self._config, self._name)
+        longest = max(_REGISTERED[self._name]["segment_lengths"])
+        if longest > self.window:  # checked here, before any layer takes the call's keys
+            raise ValueError(
+                f"this DilatedCache keeps the positions segments of up to {self.window} reach, and the "
+                f"registration the model runs now has segments of {longest} (registered again?): "
+                "build a new DilatedCache(model) for it"
+            )
         if self._failed[0]:
             raise ValueError(
                 "this DilatedCache holds part of a call that failed (the layers before the failure took its keys): "
@@ -374,12 +381,6 @@ def _attention(
     if numbering is not None:
         layer, known = numbering
         _check_numbering(layer, known, first, first_slot, num_keys - num_queries)
-        if max(segment_lengths) > layer.sliding_window:
-            raise ValueError(
-                f"this DilatedCache keeps the positions segments of up to {layer.sliding_window} reach, and the "
-                f"registration the model runs now has segments of {max(segment_lengths)} (registered again?): "
-                "build a new DilatedCache(model) for it"
-            )
     _check_keys_reach_back(first, num_keys - num_queries, segment_lengths)
     options = dict(
         segment_lengths=segment_lengths,

@@ -14,6 +14,7 @@ import shlex
 import sys
 
 from ..models import LongNetConfig
+from ..ops.validation import type_name
 from ..utils.files import TEMPORARY_SUFFIX, atomic_write
 from .checkpoint import CHECKPOINT, PREVIOUS, load_checkpoint
 from .settings import TrainSettings
@@ -137,17 +138,17 @@ def not_utf8(path: str) -> str | None:
     return f"must be a path in UTF-8 (PyTorch reads checkpoints from no other), got {path!r}: rename it"
 
 
-def _folder(run_dir) -> str:
-    """``run_dir`` as a str, or a ``TypeError`` naming it."""
+def run_dir_path(run_dir) -> str:
+    """``run_dir`` (a str or a path-like object) as a str, or a ``TypeError`` naming it."""
     run_dir = os.fspath(run_dir) if isinstance(run_dir, os.PathLike) else run_dir
     if not isinstance(run_dir, str):
-        raise TypeError(f"run_dir must be a path (a str), got {type(run_dir).__name__}")
+        raise TypeError(f"run_dir must be a path (a str), got {type_name(run_dir)}")
     return run_dir
 
 
 def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
     """The model configuration and settings a run folder was started with."""
-    path = os.path.join(_folder(run_dir), CONFIG)
+    path = os.path.join(run_dir_path(run_dir), CONFIG)
     if not os.path.isfile(path):
         held = set(os.listdir(run_dir)) if os.path.isdir(run_dir) else None
         train_it = f"dilated-attention train --out {shlex.quote(run_dir)}"
@@ -202,7 +203,8 @@ def start_run_folder(run_dir: str, model_config: LongNetConfig, settings: TrainS
 def read_log(run_dir: str) -> list[dict]:
     """The run's log records, oldest first (a last line cut short by a crash is left out;
     none before the log is written)."""
-    path = os.path.join(_folder(run_dir), LOG)
+    run_dir = run_dir_path(run_dir)
+    path = os.path.join(run_dir, LOG)
     if not os.path.isdir(run_dir):
         raise ValueError(f"{run_dir} does not exist (or is not a folder): pass a run folder train wrote")
     if not os.path.exists(path):

@@ -149,18 +149,14 @@ def _write_failure(exc: OSError, run_dir: str) -> str:
 
 def _train_or_resume(run_dir, settings, model_config, resume, device, callback, progress) -> dict:
     """:func:`train` after its extra is checked."""
-    run_dir = os.fspath(run_dir) if isinstance(run_dir, os.PathLike) else run_dir
-    if not isinstance(run_dir, str):
-        raise TypeError(f"run_dir must be a path (a str), got {validation.type_name(run_dir)}")
+    run_dir = run_folder.run_dir_path(run_dir)
     problem = run_folder.not_utf8(run_dir)
     if problem is not None:
         raise ValueError(f"run_dir {problem}")
     _check_type(settings, TrainSettings, "settings")
     _check_type(model_config, LongNetConfig, "model_config")
     if model_config is not None and type(model_config) is not LongNetConfig:  # a subclass: the fields a run keeps
-        model_config = LongNetConfig(
-            **{f.name: getattr(model_config, f.name) for f in dataclasses.fields(LongNetConfig)}
-        )
+        model_config = _base_fields(model_config, LongNetConfig)
     resume = validation.check_flag(resume, "resume")
     if callback is not None and not callable(callback):
         raise TypeError(
@@ -501,8 +497,14 @@ def _checked_settings(settings: TrainSettings) -> TrainSettings:
     folder records these), checked again (a field set after they were made is checked
     as the constructor checks it), with the data path made absolute, as a run records
     it, so that a resumed run reads the same files wherever it is started from."""
-    checked = TrainSettings(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(TrainSettings)})
+    checked = _base_fields(settings, TrainSettings)
     return checked if checked.data is None else dataclasses.replace(checked, data=os.path.abspath(checked.data))
+
+
+def _base_fields(value, kind: type):
+    """A new ``kind`` (a dataclass, checked as its constructor checks) of ``value``'s
+    fields of ``kind`` (``value``: a ``kind``, or a subclass whose own fields are left out)."""
+    return kind(**{f.name: getattr(value, f.name) for f in dataclasses.fields(kind)})
 
 
 def _refuse_other_model(run_dir: str, given: LongNetConfig, saved: LongNetConfig) -> None:
