@@ -67,8 +67,8 @@ def test_pattern_on_a_grid_draws_each_order_and_prints_the_locality(tmp_path, ca
         assert main(args + bad + ["--out", str(path)]) == 2
         assert message in capsys.readouterr().err
     sequence = [args[0], *args[4:], "--length", "16", "--heads", "2", "--out", str(tmp_path / "never.png")]
-    assert main([*sequence, "--head", "1", "--head-offsets", "contiguous"]) == 2  # flags a sequence would ignore
-    assert "error: --head, --head-offsets apply with --grid only: drop them" in capsys.readouterr().err
+    assert main([*sequence, "--head", "1", "--order", "hilbert"]) == 2  # flags a sequence would ignore
+    assert "error: --order, --head apply with --grid only: drop them" in capsys.readouterr().err
     assert not (tmp_path / "never.png").exists()
     assert main(["pattern", "--segment-lengths", "4", "--dilation-rates", "1"]) == 2
     assert "needs --length and --heads (or --grid H W" in capsys.readouterr().err
@@ -91,6 +91,23 @@ def test_pattern_has_a_colour_bar_per_head_and_a_caption(tmp_path, monkeypatch):
     assert len(images) == 3 and all(image.colorbar is not None for image in images)
     caption = " ".join(text.get_text() for text in fig.texts)
     assert "scores are equal" in caption and "counts twice" in caption and "not attended" in caption
+
+
+def test_pattern_draws_contiguous_head_offsets(tmp_path, capsys):
+    args = ["pattern", "--segment-lengths", "8", "16", "--dilation-rates", "1", "2", "--length", "16", "--heads", "4"]
+    summaries = {}
+    for offsets in ("interleaved", "contiguous"):
+        path = tmp_path / f"{offsets}.png"
+        assert main([*args, "--head-offsets", offsets, "--out", str(path)]) == 0
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        summaries[offsets] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("head ")]
+    # branch (16, 2): head j's offset is j % 2 interleaved, j // 2 contiguous
+    assert [line.split("]")[0] for line in summaries["interleaved"]] == [
+        f"head {j}: offsets per branch [0, {j % 2}" for j in range(4)
+    ]
+    assert [line.split("]")[0] for line in summaries["contiguous"]] == [
+        f"head {j}: offsets per branch [0, {j // 2}" for j in range(4)
+    ]
 
 
 def test_pattern_replaces_its_png_atomically(tmp_path):

@@ -99,6 +99,8 @@ q0, k0, v0 = qkv()
         (dict(q=q0.numpy()), TypeError, "q must be a torch.Tensor"),
         (dict(v=v0[:, :, :, :0]), ValueError, "v must have every dim >= 1"),
         (dict(mode="dilated"), ValueError, "mode must be one of"),
+        (dict(mode=3), TypeError, "mode must be one of ('mixture', 'head_groups') (a str), got int"),
+        (dict(head_offsets=None), TypeError, "head_offsets must be one of ('interleaved', 'contiguous') (a str)"),
         (
             dict(mode="head_groups", segment_lengths=[2, 4, 8, 16, 32], dilation_rates=[1] * 5),
             ValueError,

@@ -77,6 +77,24 @@ def test_reference_matches_the_spec_loop(cfg):
     assert torch.allclose(lse[finite], loop_lse[finite], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("head_offsets", ["interleaved", "contiguous"])
+@pytest.mark.parametrize("mode", ["mixture", "head_groups"])
+def test_uniform_weights_are_the_reference_at_equal_scores(mode, head_offsets):
+    """Weights times random values are the reference's output where every score is
+    equal (q = 0), for either head offsets (contiguous: heads 0, 1 share offset 0)."""
+    gen = torch.Generator().manual_seed(7)
+    n, heads, segs, rates = 21, 4, [6, 12], [2, 4]
+    w = attention_weights_uniform(n, heads, segs, rates, mode=mode, head_offsets=head_offsets, is_causal=True)
+    q, k, v = (torch.randn(1, n, heads, 3, dtype=torch.float64, generator=gen) for _ in range(3))
+    out, _ = reference_dilated_attention(q * 0, k, v, segs, rates, mode=mode, head_offsets=head_offsets, is_causal=True)
+    assert torch.allclose(torch.einsum("hpt,thd->phd", w, v[0]), out[0], rtol=0, atol=1e-12)
+    other = attention_weights_uniform(n, heads, segs, rates, mode=mode, is_causal=True)
+    # mixture's offsets differ between the two (head 1: 1 interleaved, 0 contiguous); head_groups ignores them
+    assert torch.equal(w, other) == (mode == "head_groups" or head_offsets == "interleaved")
+    with pytest.raises(ValueError, match="head_offsets must be one of"):
+        attention_weights_uniform(n, heads, segs, rates, head_offsets="blocked")
+
+
 @pytest.mark.parametrize("mode", ["mixture", "head_groups"])
 def test_uniform_weights_rows_sum_to_the_mode_total(mode):
     w = attention_weights_uniform(24, 3, [6, 12], [1, 3], mode=mode, is_causal=True)

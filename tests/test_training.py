@@ -613,7 +613,7 @@ def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, text_fi
 
 def test_evaluation_runs_in_batches_no_larger_than_the_training_batch(tmp_path, text_file, monkeypatch):
     from dilated_attention.training import trainer
-    from dilated_attention.training.data import evaluation_windows
+    from dilated_attention.training.data import evaluation_starts, windows
 
     rows = []
 
@@ -627,7 +627,8 @@ def test_evaluation_runs_in_batches_no_larger_than_the_training_batch(tmp_path, 
     run = str(tmp_path / "run")
     train(run, settings(text_file, steps=2, eval_interval=2, eval_windows=10, batch_size=4), CONFIG, progress=False)
     assert rows == [4, 4, 2]
-    inputs, targets = evaluation_windows(load_corpus(text_file).validation, 64, 10)
+    validation = load_corpus(text_file).validation
+    inputs, targets = windows(validation, evaluation_starts(validation, 64, 10), 64)
     with torch.no_grad():
         logits = load_model(run)(inputs)
     whole = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item() / math.log(2)
@@ -1181,7 +1182,7 @@ def test_load_corpus_refuses_what_is_not_a_path():
     for value in (False, 2):  # read as file descriptors before: stdin, and stderr closed after
         with pytest.raises(TypeError, match="path must be a file's or folder's path, or None, got"):
             load_corpus(value)
-    with pytest.raises(ValueError, match=re.escape("dtype must be one of ['bfloat16', 'float32'], got ['float32']")):
+    with pytest.raises(TypeError, match=re.escape("dtype must be one of ('bfloat16', 'float32') (a str), got list")):
         TrainSettings(dtype=["float32"])
 
 

@@ -9,9 +9,11 @@ import torch
 
 from .ops import decode, fused, validation
 from .ops.dropout import draw_seed
-from .ops.engine import DilatedAttentionFunction, EngineConfig, contiguous_last_dim, nonfinite_rows
+from .ops.engine import DilatedAttentionFunction, EngineConfig
+from .ops.finite import nonfinite_rows
 from .ops.kernels import select_kernel
-from .ops.plan import Block, FusedPlan, branch_table, leaves_cells_unwritten, make_plan
+from .ops.plan import Block, FusedPlan, branch_table, leaves_cells_unwritten, make_plan, output_scale
+from .ops.strides import contiguous_last_dim
 
 # Largest output of one kernel call, in elements. On CPU 2**20 (4 MiB in float32):
 # large enough that per-call overhead is negligible, small enough that glibc serves a
@@ -215,12 +217,12 @@ def run(
         table = branch_table(call.shape[2], call.segment_lengths, call.dilation_rates, call.mode, call.head_offsets)
         plan = FusedPlan(table, call.key_offsets, call.is_causal)
         return _run_engine(call, call.key_offsets[0], None, dropout, seed, None, *checks, fused_plan=plan)
-    groups = _rows_by_key_offset(call.key_offsets)
+    groups = rows_by_value(call.key_offsets)
     if len(groups) == 1:
         return _run_engine(call, call.key_offsets[0], None, dropout, seed, exchange, *checks)
     parts = [_run_engine(call, offset, rows, dropout, seed, None, *checks) for offset, rows in groups]
-    order = torch.cat([torch.as_tensor(rows, device=call.q.device) for _, rows in groups]).argsort()
-    return tuple(torch.cat(part)[order] for part in zip(*parts, strict=True))
+    order = row_order(groups, call.q.device)
+    return tuple(torch.cat(part).index_select(0, order) for part in zip(*parts, strict=True))
 
 
 def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_offsets, padding, branches, scale: float):
@@ -251,12 +253,19 @@ def takes_step(
     return not fused.use_triton(q, dropout, False, kernel) and nonfinite_rows(q) is None
 
 
-def _rows_by_key_offset(key_offsets: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]]]:
-    """``(offset, batch rows)`` for each distinct key offset, in order of first use."""
+def rows_by_value(values: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
+    """``(value, batch rows)`` for each distinct value of ``values`` (one per batch row:
+    key offsets, cache positions), in order of first use."""
     rows: dict[int, list[int]] = {}
-    for row, offset in enumerate(key_offsets):
-        rows.setdefault(offset, []).append(row)
-    return [(offset, tuple(members)) for offset, members in rows.items()]
+    for row, value in enumerate(values):
+        rows.setdefault(value, []).append(row)
+    return [(value, tuple(members)) for value, members in rows.items()]
+
+
+def row_order(groups: list[tuple[int, tuple[int, ...]]], device) -> torch.Tensor:
+    """The index that puts results computed group by group (:func:`rows_by_value`) and
+    concatenated back in batch-row order."""
+    return torch.cat([torch.as_tensor(rows, device=device) for _, rows in groups]).argsort()
 
 
 def _run_engine(
@@ -298,7 +307,7 @@ def _run_engine(
         max_call_elements=MAX_CALL_ELEMENTS.get(call.q.device.type, MAX_CALL_ELEMENTS["default"]),
         scale=validation.kernel_scale(call.scale, call.q.dtype),
         dropout_p=dropout,
-        out_scale=1.0 if call.mode == "mixture" else 1.0 / len(call.segment_lengths),
+        out_scale=output_scale(call.mode, len(call.segment_lengths)),
         kernel=None if fused_plan is not None else select_kernel(call.q.device, call.q.dtype, dropout),
         query_position=query_position,
         key_position=query_position + num_queries - call.num_keys,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .ops.plan import head_group_bounds
-from .ops.validation import check_attention, check_branches, check_head_groups, check_mode
+from .ops.validation import check_attention, check_branches, check_head_groups, check_head_offsets, check_mode
 
 
 def branch_pattern(
@@ -206,19 +206,22 @@ def attention_weights_uniform(
     dilation_rates: Sequence[int],
     *,
     mode: str = "mixture",
+    head_offsets: str = "interleaved",
     is_causal: bool = False,
 ) -> torch.Tensor:
     """``(H, N, N)`` float64: the attention weight each key gets when every score is
     equal. In ``mixture`` a key seen by two branches counts twice, so a row shows
     how the branches share the softmax; in ``head_groups`` each row is its group's
     branch alone (scaled by ``1 / G``). Rows that attend to nothing are 0.
+    ``head_offsets``: as in :func:`dilated_attention.dilated_attention`.
     """
     segment_lengths, dilation_rates = check_branches(segment_lengths, dilation_rates)
+    check_head_offsets(head_offsets)
     if check_mode(mode) == "head_groups":
         check_head_groups(num_heads, len(segment_lengths))
     zeros = torch.zeros(1, seq_len, num_heads, 1, dtype=torch.float64)
     values = torch.eye(seq_len, dtype=torch.float64)[None, :, None, :].expand(1, seq_len, num_heads, seq_len)
-    offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode)
+    offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode, head_offsets)
     out, _ = _dense_dilated_attention(
         zeros, zeros, values, segment_lengths, dilation_rates, offsets, mode, is_causal, 1.0, None, (0,)
     )

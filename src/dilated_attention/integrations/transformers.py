@@ -62,7 +62,7 @@ import torch
 from .. import functional
 from ..functional import dilated_attention
 from ..ops import validation
-from ..ops.engine import all_finite, nonfinite_rows
+from ..ops.finite import all_finite, nonfinite_rows
 from ..ops.plan import window_start_needed
 from ..utils.extras import MissingExtra, install_hint
 
@@ -663,17 +663,17 @@ def _attend_group(
         validation.check_qkv(q, k, v, "bhnd")
         scale = validation.check_scale(options["softmax_scale"], q.shape[-1])
         call = validation.Attention(
-            q.transpose(1, 2),
-            k[:, :, drop:].transpose(1, 2),
-            v[:, :, drop:].transpose(1, 2),
-            None if padding is None else padding[:, drop:],
-            options["segment_lengths"],
-            options["dilation_rates"],
-            options["mode"],
-            options["head_offsets"],
-            True,
-            scale,
-            tuple(offset + drop for offset in offsets),
+            q=q.transpose(1, 2),
+            k=k[:, :, drop:].transpose(1, 2),
+            v=v[:, :, drop:].transpose(1, 2),
+            padding=None if padding is None else padding[:, drop:],
+            segment_lengths=options["segment_lengths"],
+            dilation_rates=options["dilation_rates"],
+            mode=options["mode"],
+            head_offsets=options["head_offsets"],
+            is_causal=True,
+            scale=scale,
+            key_offsets=tuple(offset + drop for offset in offsets),
         )
         out, lse = functional.run(call, keys_checked=True)  # a decode step takes the lean path there
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)

@@ -65,8 +65,7 @@ class LongNetConfig:
                 )
         if self.mode == "head_groups":
             validation.check_head_groups(self.heads, len(segs))
-        if self.positions not in POSITIONS:
-            raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
+        validation.check_choice(self.positions, "positions", POSITIONS)
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim (dim / heads), got {self.head_dim}")
         object.__setattr__(

@@ -3,9 +3,10 @@
 A causal query never sees a key before the start of its own segment, so a cache
 needs only the positions since the earliest segment start a future query can fall
 in: fewer than ``max(segment_lengths)`` per sequence, however long the sequence
-grows. Each call is :func:`dilated_attention.dilated_attention` on that window
-(``key_offset`` = the window's first position), so it is exactly the whole-sequence
-result, row for row.
+grows. Each call computes :func:`dilated_attention.dilated_attention` on that window
+(``key_offset`` = the window's first position), through the same paths (on CUDA, a
+step of a few rows through the fused decode launches), so it is exactly the
+whole-sequence result, row for row.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from .. import functional
 from ..ops import decode, fused, validation
-from ..ops.engine import all_finite, nonfinite_rows
+from ..ops.finite import all_finite, nonfinite_rows
 from ..ops.plan import branch_table, window_start_needed
 
 
@@ -586,9 +587,7 @@ class DilatedKVCache(CacheSettings):
             # Every query is padding: zeros, with a graph whose gradients are zeros (as
             # dilated_attention gives rows that attend to nothing), whatever q, k, v hold.
             return torch.where(torch.zeros((), dtype=torch.bool, device=self.device), q + k + v, 0.0)
-        groups: dict[int, list[int]] = {}
-        for row, position in enumerate(self._position):
-            groups.setdefault(position, []).append(row)
+        groups = functional.rows_by_value(self._position)
         keys = self._k[:, :, : first_slot + length].transpose(1, 2)
         values = self._v[:, :, : first_slot + length].transpose(1, 2)
         flags = None if self._bad is None else self._bad[:, : first_slot + length]
@@ -597,15 +596,12 @@ class DilatedKVCache(CacheSettings):
             # buffers change in place, the keys with the new rows' graph.
             keys, values = torch.cat([keys[:, :first_slot], k], 1), torch.cat([values[:, :first_slot], v], 1)
             flags = None if flags is None else flags.clone()
-        parts, order = [], []
-        for position, rows in groups.items():
-            parts.append(self._attend_group(q, keys, values, flags, position, rows, first_slot))
-            order.extend(rows)
+        parts = [self._attend_group(q, keys, values, flags, position, rows, first_slot) for position, rows in groups]
         if len(parts) == 1:
             return parts[0]
-        return torch.cat(parts).index_select(0, torch.tensor(order, device=self.device).argsort())
+        return torch.cat(parts).index_select(0, functional.row_order(groups, self.device))
 
-    def _attend_group(self, q, k, v, flags, position: int, rows: list[int], first_slot: int) -> torch.Tensor:
+    def _attend_group(self, q, k, v, flags, position: int, rows: tuple[int, ...], first_slot: int) -> torch.Tensor:
         """The output of the sequences ``rows``, all at ``position``, given keys and
         values ``(B, slots, H, D)`` whose new rows start at slot ``first_slot`` and their
         non-finite flags ``(B, slots, H)`` (``None``: none)."""
@@ -623,17 +619,17 @@ class DilatedKVCache(CacheSettings):
         if first_query >= position + length:
             return padding
         call = validation.Attention(  # q, k, v were checked in attend, the rest at construction
-            q[:, first_query - position :],
-            k,
-            v,
-            None,
-            self.segment_lengths,
-            self.dilation_rates,
-            self.mode,
-            self.head_offsets,
-            True,
-            self.softmax_scale,
-            (window,) * q.shape[0],
+            q=q[:, first_query - position :],
+            k=k,
+            v=v,
+            padding=None,
+            segment_lengths=self.segment_lengths,
+            dilation_rates=self.dilation_rates,
+            mode=self.mode,
+            head_offsets=self.head_offsets,
+            is_causal=True,
+            scale=self.softmax_scale,
+            key_offsets=(window,) * q.shape[0],
         )
         # The keys were checked for NaN and infinity as they were appended: no new scan.
         attended, _ = functional.run(call, key_flags=flags, keys_checked=True, kernel=self.kernel)

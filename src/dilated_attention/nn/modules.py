@@ -485,9 +485,7 @@ class GridAttention(nn.Module):
         super().__init__()
         if not isinstance(attention, nn.Module):
             raise TypeError(f"attention must be an nn.Module, got {validation.type_name(attention)}")
-        if order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-        self.attention, self.order = attention, order
+        self.attention, self.order = attention, validation.check_choice(order, "order", ORDERS)
         self.extra_tokens = validation.check_non_negative_int(extra_tokens, "extra_tokens")
 
     def forward(

@@ -3,15 +3,15 @@ tensors of the same shapes, for ``torch.compile(fullgraph=True)`` and CUDA graph
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
 from ..ops import validation
-from ..ops.decode import ring_counts
+from ..ops.decode import ring_attention, ring_counts
+from ..ops.finite import nonfinite
 from ..ops.kernels import accumulator
-from ..ops.plan import branch_table
+from ..ops.plan import branch_table, output_scale
 from .cache import CacheSettings, check_starts
 
 # The position of a ring slot no key has filled yet: never attended.
@@ -80,7 +80,7 @@ class StaticKVCache(CacheSettings):
         table = branch_table(self.shape[1], self.segment_lengths, self.dilation_rates, self.mode, self.head_offsets)
         self._branches = (table.segment_lengths, table.rates)  # Python ints: what torch.compile specialises on
         self._offsets = self._ring_branches[2]  # made now: a compiled step only reads it
-        self._out_scale = 1.0 if self.mode == "mixture" else 1.0 / len(self.segment_lengths)
+        self._out_scale = output_scale(self.mode, len(self.segment_lengths))
         self.capacity = max(self.segment_lengths) - 1 + self.max_chunk
         if self.capacity > MAX_CAPACITY:
             raise ValueError(
@@ -148,35 +148,20 @@ class StaticKVCache(CacheSettings):
             return self._attend_fused(q, k, v)
         queries = self._next[:, None] + torch.arange(length, device=self.device)  # (B, L)
         slots = queries % self.capacity
-        bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1)).transpose(1, 2)  # (B, H, L)
+        bad = (nonfinite(k) | nonfinite(v)).transpose(1, 2)  # (B, H, L)
         index = slots[:, None, :, None].expand(batch, heads, length, dim)
         for ring, new in ((self._k, k), (self._v, v)):
             ring.scatter_(2, index, new.detach().transpose(1, 2).masked_fill(bad[..., None], 0.0))
         self._key_positions.scatter_(1, slots, queries)
         self._bad.scatter_(2, slots[:, None, :].expand(batch, heads, length), bad)
         count = ring_counts(*self._branches, self._offsets, self._key_positions, queries)  # (B, H, L, C)
-        attended = count > 0
         # In float32 (float64) whatever the dtype: log(2) for a key two branches count stays exact.
         acc = accumulator(self.dtype)
         # Autograd saves the rings for q's gradient: a copy, which later steps' writes
         # leave alone (in float32 `.to` alone would hand it the ring itself).
         saved = torch.is_grad_enabled() and q.requires_grad
         keys, values = (ring.to(acc, copy=saved) for ring in (self._k, self._v))
-        # Every row's softmax finite, its backward too (non-finite keys are stored as 0):
-        # a non-finite query row as 0, the keys a row does not attend to at -inf (their
-        # scores, which may overflow, never read), a row with no key at 0 throughout;
-        # the definition's rules below then set those rows, passing them no gradient.
-        rows = q.transpose(1, 2).to(acc)
-        q_bad = ~torch.isfinite(rows).all(-1)  # (B, H, L)
-        some = attended.any(-1)
-        scores = torch.matmul(rows.masked_fill(q_bad[..., None], 0.0), keys.transpose(-1, -2)) * self._kernel_scale
-        scores = scores.masked_fill(~attended, -math.inf).masked_fill(~some[..., None], 0.0)
-        weights = torch.softmax(scores + count.to(acc).clamp_min(1).log(), dim=-1)  # a key m branches count: m times
-        out = torch.matmul(weights, values)
-        # The definition's rules: a row with no key outputs 0, one a non-finite value
-        # reaches (its query, or a key it attends) outputs NaN.
-        reached = (attended & self._bad[:, :, None, :]).any(-1) | q_bad
-        out = out.masked_fill((reached & some)[..., None], math.nan).masked_fill(~some[..., None], 0.0)
+        out = ring_attention(q.transpose(1, 2).to(acc), keys, values, self._bad, count, self._kernel_scale)
         self._next += length
         return (out * self._out_scale).to(self.dtype).transpose(1, 2)
 

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import contiguous_last_dim
+from .finite import nonfinite
 from .kernels import accumulator
-from .plan import branch_head_sets, branch_table, key_heads
+from .plan import branch_head_sets, branch_table, key_heads, output_scale
+from .strides import contiguous_last_dim
 
 # PyTorch's fused CPU attention, ``(out, lse)``; its direct binding costs microseconds less per
 # call than ``torch.ops.aten``'s.
@@ -306,7 +307,7 @@ def decode_tables(
         branches.append((w, r, heads, chosen))
         by_offset = {offset: heads for offset, heads in sets[i] if offset < w}
         query_heads.append(tuple(by_offset.get(t) for t in range(len(phases))))
-    out_scale = 1.0 if mode == "mixture" else 1.0 / len(segment_lengths)
+    out_scale = output_scale(mode, len(segment_lengths))
     return DecodeTables(tuple(branches), (1 << num_heads) - 1, out_scale, tuple(query_heads))
 
 
@@ -755,11 +756,14 @@ def _no_part(length: int, dim: int, dtype: torch.dtype, device) -> tuple[torch.T
 
 def _merge_into(out, lse, rows: slice, heads: slice, part: torch.Tensor, part_lse: torch.Tensor) -> None:
     """Merge one softmax's ``(part, part_lse)`` into another's ``(out, lse)`` ``(B, H, L,
-    D)``, ``(B, H, L)`` at batch rows ``rows`` and heads ``heads``, in place: the union's
-    output is the two outputs weighted by their shares of the joint denominator,
-    ``sigmoid(part_lse - lse)`` for the part (stable whatever the gap), and its
-    log-sum-exp ``logaddexp(lse, part_lse)``. Four small operations, where a decode
-    step's tensors are small and operations, not bytes, cost."""
+    D)``, ``(B, H, L)`` at batch rows ``rows`` and heads ``heads``, in place: the rule of
+    :func:`dilated_attention.ops.engine.merge_into` (each side weighted by its share of
+    the joint denominator, ``sigmoid(part_lse - lse)`` for the part), in four small
+    operations, as a decode step counts operations, not bytes (measured: a third of
+    the time of the engine's). The engine's guard for cells neither side has a key for
+    is not needed: a step merges in place only where the first call covers every cell
+    (:attr:`StepPlan.merges_in_place`), and a cell that a branch's call covers attends
+    at least to its own key (this path takes no padding mask)."""
     if _covers(rows, out.shape[0]):
         out_view, lse_view = out[:, heads], lse[:, heads]
     else:
@@ -863,3 +867,30 @@ def ring_counts(
         counted = counted & ((queries - start) % r == heads) & ((keys - start) % r == heads)
         count = count + counted.float()
     return count
+
+
+def ring_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bad: torch.Tensor, count: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The definition's output ``(B, H, L, D)`` of query rows ``q`` ``(B, H, L, D)``
+    against a ring of ``keys, values`` ``(B, H, C, D)`` in which each key counts
+    ``count`` ``(B, H, L, C)`` times (:func:`ring_counts`) and the rows flagged in
+    ``key_bad`` ``(B, H, C)`` held a NaN or an infinity (stored as 0), all in the
+    accumulator's dtype: one dense softmax, the same operations on tensors of the same
+    shapes whatever the values (:class:`dilated_attention.StaticKVCache`'s step, which
+    ``torch.compile`` and CUDA graphs take)."""
+    attended = count > 0
+    # Every row's softmax finite, its backward too: a non-finite query row as 0, the
+    # keys a row does not attend to at -inf (their scores, which may overflow, never
+    # read), a row with no key at 0 throughout; the definition's rules below then set
+    # those rows, passing them no gradient.
+    q_bad = nonfinite(q)  # (B, H, L)
+    some = attended.any(-1)
+    scores = torch.matmul(q.masked_fill(q_bad[..., None], 0.0), keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~attended, -math.inf).masked_fill(~some[..., None], 0.0)
+    weights = torch.softmax(scores + count.to(q.dtype).clamp_min(1).log(), dim=-1)  # a key m branches count: m times
+    out = torch.matmul(weights, values)
+    # The definition's rules: a row with no key outputs 0, one a non-finite value
+    # reaches (its query, or a key it attends) outputs NaN.
+    reached = (attended & key_bad[:, :, None, :]).any(-1) | q_bad
+    return out.masked_fill((reached & some)[..., None], math.nan).masked_fill(~some[..., None], 0.0)

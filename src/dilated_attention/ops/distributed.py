@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from .dropout import draw_seed
-from .engine import KeySource, nonfinite_rows
+from .engine import KeySource
+from .finite import nonfinite_rows
 from .kernels import accumulator
 from .plan import Block, Rows, ShardPlan, make_shard_plan
 from .validation import type_name

@@ -31,8 +31,10 @@ import torch
 
 from . import fused
 from .dropout import DropoutMask, column_keys, row_keys
+from .finite import known_empty
 from .kernels import Kernel, accumulator
 from .plan import Block, FusedPlan, Rows, key_heads
+from .strides import contiguous_last_dim
 from .validation import TORCH_FUNC_REFUSAL
 
 
@@ -69,60 +71,10 @@ class EngineConfig:
     fused: FusedPlan | None = None
 
 
-def _nonfinite(t: torch.Tensor) -> torch.Tensor:
-    """Rows ``t[..., :]`` holding a NaN or an infinity: for large tensors through two
-    reductions, which need no full-size temporary; for small ones (a decode step) in
-    fewer operations."""
-    if t.numel() <= 2**16:
-        return ~torch.isfinite(t).all(-1)
-    return ~(torch.isfinite(t.amax(-1)) & torch.isfinite(t.amin(-1)))
-
-
-def _checks_are_free(t: torch.Tensor) -> bool:
-    """Whether the engine looks at values to skip work: eagerly, on the CPU (free)
-    and on CUDA (one synchronisation, microseconds, against the milliseconds of
-    masking passes it saves: measured on an H100, a quarter of a 32K-token call went
-    to clearing rows that held no NaN). Under ``torch.compile`` and while a CUDA
-    graph is captured the engine takes the path that is right whatever the values."""
-    if torch.compiler.is_compiling():
-        return False
-    return t.device.type == "cpu" or (t.device.type == "cuda" and not torch.cuda.is_current_stream_capturing())
-
-
-def _known_empty(flags: torch.Tensor) -> bool:
-    """Whether ``flags`` (bool) is known to hold no ``True`` (see :func:`_checks_are_free`)."""
-    return _checks_are_free(flags) and not bool(flags.any())
-
-
-def nonfinite_rows(*tensors: torch.Tensor) -> torch.Tensor | None:
-    """Rows ``(B, N, H)`` where any of ``tensors`` holds a NaN or an infinity; ``None``
-    where there are known to be none. The fused kernels let such values leak into
-    rows that do not attend to them (a causal future key's value times probability
-    0), so the engine zeroes them and marks the rows they reach instead. A finite sum
-    proves every value finite (NaN and infinities propagate), in one pass and a fifth
-    of the time of the per-row check, which runs only when a sum is not finite."""
-    if _checks_are_free(tensors[0]):
-        acc = accumulator(tensors[0].dtype)
-        if all(math.isfinite((t.sum() if t.dtype == acc else t.sum(dtype=acc)).item()) for t in tensors):
-            return None
-    flags = _nonfinite(tensors[0])
-    for t in tensors[1:]:
-        flags = flags | _nonfinite(t)
-    return None if _known_empty(flags) else flags
-
-
-def all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every value of ``tensors`` (one shape but the first dim, one dtype: a
-    decode step's ``q, k, v``) is finite, eagerly, in one concatenation and one sum (a
-    decode step counts operations, not bytes; see :func:`nonfinite_rows`)."""
-    joined = torch.cat(tensors)
-    return math.isfinite(joined.sum(dtype=accumulator(joined.dtype)).item())
-
-
 @dataclass
 class KeySource:
     """Rows that blocks take keys from: ``k``, ``v`` ``(B, L, H', D)``, ``padding``
-    ``(B, L)`` bool or ``None``, ``bad`` (:func:`nonfinite_rows` of ``k, v``); row
+    ``(B, L)`` bool or ``None``, ``bad`` (:func:`dilated_attention.ops.finite.nonfinite_rows` of ``k, v``); row
     ``i`` is sequence position ``first_position + step * i``."""
 
     k: torch.Tensor
@@ -154,53 +106,6 @@ def _to_kernel(x: torch.Tensor) -> torch.Tensor:
 def _from_kernel(y: torch.Tensor, batch: int) -> torch.Tensor:
     """``(B * nseg, h, rows, ...)`` -> ``(B, nseg, rows, h, ...)``."""
     return y.transpose(1, 2).unflatten(0, (batch, -1))
-
-
-def contiguous_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself if its last dim is unit-stride (the fused kernels assume it) and no
-    two of its elements share memory through dims of nonzero stride, else a contiguous
-    copy. Other strides, 0 included (an expanded tensor), are passed through as they
-    are. Overlapping dims are copied because PyTorch's CPU flash op reads outside such a
-    tensor (heads ``D`` elements long but one element apart, as ``unfold`` makes them:
-    wrong outputs, torch 2.13); beside an expanded dim, dims of size 1 are given new
-    strides by views (no copy; ``as_strided`` would blur the gradient of an expanded
-    input), as the op misreads a query expanded over the sequence whose single head has
-    stride 1."""
-    if x.is_contiguous():
-        return x
-    strides, shape = x.stride(), x.shape
-    if 0 in strides:
-        for dim in range(x.dim() - 2, -1, -1):
-            if shape[dim] == 1:
-                x = x.squeeze(dim).unsqueeze(dim)  # the stride of the dims after it, as a contiguous tensor's
-        strides = x.stride()
-    if (strides[-1] != 1 and shape[-1] != 1) or _overlaps(strides, shape):
-        return x.contiguous()
-    return x
-
-
-def _overlaps(strides: tuple[int, ...], shape: torch.Size) -> bool:
-    """Whether two elements of a tensor of these strides and shape may share memory
-    through dims of nonzero stride: each dim must step past the extent of the dims of
-    smaller stride (a conservative test, exact for views of one contiguous tensor).
-    Dims in their own order first (a slice's, a decode window's: no sort), then sorted."""
-    extent, dim = 0, len(strides)
-    while dim:  # an index loop: the cheapest in Python, where a decode step counts microseconds
-        dim -= 1
-        size, stride = shape[dim], strides[dim]
-        if size > 1 and stride:
-            if stride <= extent:
-                break
-            extent += (size - 1) * stride
-    else:
-        return False
-    extent = 0
-    for stride, size in sorted(zip(strides, shape, strict=True)):  # strides are never negative
-        if size > 1 and stride:
-            if stride <= extent:
-                return True
-            extent += (size - 1) * stride
-    return False
 
 
 def _key_mask(pad: torch.Tensor | None, dtype, is_causal: bool):
@@ -430,7 +335,7 @@ def engine_forward(q, k, v, padding, seed, query_flags, key_flags, cfg: EngineCo
 
     ``seed``: 0-dim int64 tensor of the dropout masks, or ``None`` without dropout.
     ``query_flags`` ``(B, Lq, H)``, ``key_flags`` ``(B, Lk, H_kv)``: bool, the rows of ``q``
-    and of ``k, v`` that hold a NaN or an infinity (:func:`nonfinite_rows`; ``None``:
+    and of ``k, v`` that hold a NaN or an infinity (:func:`dilated_attention.ops.finite.nonfinite_rows`; ``None``:
     none; the fused kernels then check every tile they load).
     ``exchange`` (a :class:`dilated_attention.ops.distributed.Exchange`, or ``None``) has
     posted the transfer of other ranks' rows; it is finished after the local blocks
@@ -482,7 +387,7 @@ def _backward_rows(out, grad_out, lse, grad_lse, out_scale: float):
     back, so it gets the same treatment and its output counts as 0."""
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     no_key, dead = torch.isneginf(lse), torch.isnan(lse)
-    if not _known_empty(dead):
+    if not known_empty(dead):
         out, grad_out = (t.masked_fill(dead.unsqueeze(-1), 0.0) for t in (out, grad_out))
         no_key = no_key | dead
     lse_grad = None if grad_lse is None else grad_lse.masked_fill(no_key, 0.0) / out_scale

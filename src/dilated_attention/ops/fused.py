@@ -18,6 +18,11 @@ The choice, per call: the ``kernel`` argument of
   ``import dilated_attention`` imports it, through torch's compiler);
 - ``"torch"``: PyTorch's kernels.
 
+The caches (:mod:`dilated_attention.nn.cache`) take the same choice for their steps
+of a few query rows, with one difference under ``"auto"``: on CUDA their fused decode
+launches (:mod:`dilated_attention.ops.ring_decode`) also run float32 and head dims
+below 16 (up to 256), as they form scores without ``tl.dot`` (no tiles, no TF32).
+
 Nothing here imports Triton until a call asks for the Triton kernels.
 """
 
@@ -29,7 +34,7 @@ import os
 
 import torch
 
-from .validation import type_name
+from .validation import check_choice
 
 KERNEL_ENV = "DILATED_ATTENTION_KERNEL"
 CHOICES = ("auto", "triton", "torch")
@@ -47,14 +52,8 @@ def requested(kernel: str | None) -> str:
     source = "kernel"
     if kernel is None:
         kernel, source = os.environ.get(KERNEL_ENV) or "auto", KERNEL_ENV
-    if not isinstance(kernel, str):
-        raise TypeError(f"{source} must be one of {CHOICES} (a str), got {type_name(kernel)}")
-    if kernel not in CHOICES:
-        raise ValueError(
-            f"{source} must be one of {CHOICES} ('auto': Triton where it applies, 'triton': the fused "
-            f"Triton kernels, 'torch': PyTorch's kernels), got {kernel!r}"
-        )
-    return kernel
+    meaning = " ('auto': Triton where it applies, 'triton': the fused Triton kernels, 'torch': PyTorch's kernels)"
+    return check_choice(kernel, source, CHOICES, meaning)
 
 
 def why_not_triton(q: torch.Tensor, dropout: float, distributed: bool, capturable: bool = False) -> str | None:

@@ -438,6 +438,12 @@ def make_shard_plan(
     )
 
 
+def output_scale(mode: str, num_branches: int) -> float:
+    """The factor of every output row: ``1 / G`` in ``head_groups`` (the definition
+    divides each branch's ``O_i`` by the number of branches ``G``), 1 in ``mixture``."""
+    return 1.0 if mode == "mixture" else 1.0 / num_branches
+
+
 def leaves_cells_unwritten(dilation_rates: Sequence[int], mode: str) -> bool:
     """Whether the fresh blocks leave cells of the output unwritten, which must then be
     initialised (output 0, LSE ``-inf``). A fresh branch with ``r = 1`` writes every

@@ -109,19 +109,22 @@ def _check_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], t
     return lists["segment_lengths"], lists["dilation_rates"]
 
 
-def _check_choice(value, name: str, choices, meaning: str = "") -> str:
-    """``value`` if it is one of the strings ``choices``, else a ``ValueError``."""
-    if not isinstance(value, str) or value not in choices:
+def check_choice(value, name: str, choices, meaning: str = "") -> str:
+    """``value`` if it is one of the strings ``choices``; else a ``TypeError`` (not a str)
+    or a ``ValueError`` (another str) naming ``name``, the choices and their ``meaning``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {tuple(choices)} (a str), got {type_name(value)}")
+    if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}{meaning}, got {value!r}")
     return value
 
 
 def check_mode(mode) -> str:
-    return _check_choice(mode, "mode", MODES)
+    return check_choice(mode, "mode", MODES)
 
 
 def check_layout(layout) -> str:
-    return _check_choice(
+    return check_choice(
         layout,
         "layout",
         LAYOUTS,
@@ -131,7 +134,7 @@ def check_layout(layout) -> str:
 
 
 def check_head_offsets(head_offsets) -> str:
-    return _check_choice(
+    return check_choice(
         head_offsets,
         "head_offsets",
         HEAD_OFFSETS,
@@ -451,8 +454,7 @@ def check_padding_mask(mask, batch: int, seq_len: int, device) -> torch.Tensor |
         raise ValueError(
             f"key_padding_mask must have shape (batch, seq_len of k) = {(batch, seq_len)}, got {tuple(mask.shape)}"
         )
-    if mask.device != device:
-        raise ValueError(f"key_padding_mask must be on the device of q ({device}), got {mask.device}")
+    _check_mask_device(mask, "key_padding_mask", device)
     return mask
 
 
@@ -529,7 +531,7 @@ def check_head_groups(num_heads: int, num_branches: int) -> None:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Attention:
     """A validated call. ``q`` ``(B, Lq, H, D)``, ``k, v`` ``(B, Lk, H_kv, D)`` (``H_kv``
     divides ``H``), ``padding``
@@ -604,15 +606,15 @@ def check_attention(
     scale = check_scale(softmax_scale, head_dim)
     kernel_scale(scale, q.dtype)  # refused here, before a caller draws a dropout seed, where float32 cannot hold it
     return Attention(
-        q,
-        k,
-        v,
-        check_padding_mask(key_padding_mask, batch, num_keys, q.device),
-        segment_lengths,
-        dilation_rates,
-        mode,
-        head_offsets,
-        is_causal,
-        scale,
-        key_offsets,
+        q=q,
+        k=k,
+        v=v,
+        padding=check_padding_mask(key_padding_mask, batch, num_keys, q.device),
+        segment_lengths=segment_lengths,
+        dilation_rates=dilation_rates,
+        mode=mode,
+        head_offsets=head_offsets,
+        is_causal=is_causal,
+        scale=scale,
+        key_offsets=key_offsets,
     )

@@ -38,6 +38,7 @@ from ..ops import fused, validation
 from ..ops.intmath import ceil_div
 from ..ops.kernels import select_kernel
 from ..ops.plan import make_plan
+from ..utils.memory import first_line
 from ..utils.plotting import log_log, pyplot, save
 
 # What ``bench`` measures by default, and what it can measure: ``mixture-torch`` is the
@@ -584,7 +585,7 @@ def measure(
     except Exception as error:
         if impl != "flex" or isinstance(error, (ValueError, TypeError, torch.OutOfMemoryError)):
             raise
-        row.note = f"failed: FlexAttention does not run here ({type(error).__name__}: {_first_line(error)})"
+        row.note = f"failed: FlexAttention does not run here ({type(error).__name__}: {first_line(error, 160)})"
         return row
     row.io_bytes = 4 * q.numel() * q.element_size()
     gflop = 4 * cfg.head_dim * pairs / 1e9
@@ -602,11 +603,6 @@ def measure(
         row.fwd_bwd_ms = 1e3 * seconds
         row.fwd_bwd_gflops, row.fwd_bwd_ratio = 3.5 * gflop / seconds, 3.5 * gflop * per_matmul
     return row
-
-
-def _first_line(error: BaseException, most: int = 160) -> str:
-    line = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-    return line if len(line) <= most else line[: most - 3] + "..."
 
 
 def _with_backward(inputs, fn, fn_with_grad) -> Callable[[], object]:

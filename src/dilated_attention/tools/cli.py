@@ -75,7 +75,7 @@ def _cmd_pattern(args) -> int:
     if not args.out.lower().endswith(".png"):
         raise ValueError(f"--out {args.out}: pattern writes a PNG image, name a .png file")
     segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)
-    grid_only = {"--order": args.order, "--query": args.query, "--head": args.head, "--head-offsets": args.head_offsets}
+    grid_only = {"--order": args.order, "--query": args.query, "--head": args.head}
     misplaced = ["--length"] if args.grid and args.length is not None else []
     misplaced += [] if args.grid else [flag for flag, value in grid_only.items() if value is not None]
     if misplaced:
@@ -104,7 +104,16 @@ def _cmd_pattern(args) -> int:
     if args.mode == "head_groups":
         validation.check_head_groups(args.heads, len(segs))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    lines = draw_pattern(args.out, args.length, args.heads, segs, rates, mode=args.mode, is_causal=args.causal)
+    lines = draw_pattern(
+        args.out,
+        args.length,
+        args.heads,
+        segs,
+        rates,
+        mode=args.mode,
+        head_offsets=args.head_offsets or "interleaved",
+        is_causal=args.causal,
+    )
     print("\n".join(lines))
     print(f"wrote {args.out}")
     return 0
@@ -420,7 +429,7 @@ def _add_pattern(sub) -> None:
     pattern.add_argument(
         "--head-offsets",
         choices=HEAD_OFFSETS,
-        help="with --grid: which offset a head uses in a branch (default: interleaved)",
+        help="which offset a head uses in a branch of mixture (default: interleaved)",
     )
     pattern.add_argument(
         "--out",

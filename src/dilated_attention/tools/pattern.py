@@ -48,6 +48,7 @@ def draw_pattern(
     dilation_rates: Sequence[int],
     *,
     mode: str = "mixture",
+    head_offsets: str = "interleaved",
     is_causal: bool = False,
 ) -> list[str]:
     """Write the per-head ``(query, key)`` pattern to ``path`` and return the summary lines.
@@ -56,7 +57,7 @@ def draw_pattern(
     gets when all scores are equal (see :func:`caption`)."""
     plt = pyplot()
     weights = attention_weights_uniform(
-        seq_len, num_heads, segment_lengths, dilation_rates, mode=mode, is_causal=is_causal
+        seq_len, num_heads, segment_lengths, dilation_rates, mode=mode, head_offsets=head_offsets, is_causal=is_causal
     )
     cols = min(num_heads, 4)
     rows = math.ceil(num_heads / cols)
@@ -74,8 +75,9 @@ def draw_pattern(
         ax.tick_params(labelsize=7)
     title = f"{mode}: segment_lengths={list(segment_lengths)}, dilation_rates={list(dilation_rates)}"
     title += ", causal" if is_causal else ""
+    title += ", contiguous head offsets" if head_offsets == "contiguous" and mode == "mixture" else ""
     save(fig, path, title, fontsize=10, caption=caption(mode, len(segment_lengths)))
-    offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode)
+    offsets = branch_offsets(num_heads, segment_lengths, dilation_rates, mode, head_offsets)
     return summarize_heads(weights, offsets)
 
 

@@ -192,12 +192,6 @@ def evaluation_starts(data: torch.Tensor, context: int, count: int) -> torch.Ten
     return torch.linspace(0, len(data) - context - 1, evaluation_count(data, context, count)).long()
 
 
-def evaluation_windows(data: torch.Tensor, context: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The windows of :func:`evaluation_starts` (``n``: ``count``, or fewer where ``data``
-    holds fewer): inputs and targets, int64 ``(n, context)``."""
-    return windows(data, evaluation_starts(data, context, count), context)
-
-
 def windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``context + 1`` bytes from each of ``starts``: inputs and next-byte targets,
     int64 ``(len(starts), context)`` each."""

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops import validation
+
 TASKS = ("passkey", "recall")
 DIGITS = b"0123456789"
 LETTERS = b"abcdefghijklmnopqrstuvwxyz"
@@ -49,9 +51,7 @@ class Example:
 
 
 def check_task(task: str) -> str:
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
-    return task
+    return validation.check_choice(task, "task", TASKS)
 
 
 def min_distance(task: str) -> int:

@@ -38,10 +38,11 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return any(text in str(exc) for text in ("can't allocate memory", "std::bad_alloc", "not enough memory"))
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message (at most 300 characters), or its type's name
-    where it has none: what an out-of-memory error says, in one line."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+def first_line(exc: BaseException, most: int = 300) -> str:
+    """The first non-empty line of ``exc``'s message (cut to ``most`` characters, with
+    "..."), or its type's name where it has none: what an error says, in one line."""
+    line = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return line if len(line) <= most else line[: most - 3] + "..."
 
 
 class OutOfMemory(torch.OutOfMemoryError):
