@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -1287,3 +1288,159 @@ def test_suggested_commands_are_quoted_for_the_shell_and_config_errors_name_the_
         assert f"--config {config}" in message and fragment in message
     with pytest.raises(ValueError, match=r"prompt must be .* batch >= 1"):
         generate(load_model(run), torch.zeros(0, 5, dtype=torch.long), 3)
+
+
+def _agreeing_worker(rank, init_file, result_dir):
+    """Two gloo processes: a failure on rank 1 only, one on both, and texts that differ."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from dilated_attention.training import parallel, trainer
+    from dilated_attention.training.data import Corpus
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
+    place = parallel.Parallel(rank=rank, world=2, mode="data")
+    report = {}
+
+    def fails_on(ranks, message):
+        def fn():
+            if rank in ranks:
+                raise (OSError(2, "No such file or directory", "/data/x") if message == "os" else ValueError(message))
+            return rank
+
+        return fn
+
+    for name, fn in (
+        ("one", fails_on({1}, "rank 1's own problem")),
+        ("both", fails_on({0, 1}, "the same problem")),
+        ("os", fails_on({0}, "os")),
+        ("none", fails_on(set(), "")),
+    ):
+        try:
+            report[name] = place.agree(fn)
+        except ValueError as exc:
+            report[name] = f"ValueError: {exc}"
+    text = torch.arange(rank, 40 + rank, dtype=torch.uint8)
+    corpus = Corpus(text, text, "a pipe", 1, {"bytes": 40 + 3 * rank, "sha256": str(rank)})
+    try:
+        trainer._check_same_text(corpus, place)
+        report["texts"] = None
+    except ValueError as exc:
+        report["texts"] = str(exc)
+    with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # torch 2.13's gloo can abort at interpreter exit after the errors (see test_distributed)
+
+
+def test_a_failure_on_one_process_stops_every_process_alike(tmp_path):
+    """Train's preparation (checks, reading the text) runs as one collective step: what
+    fails on one process fails on all with its message (a process left waiting would
+    end with gloo's traceback), and processes that read different texts (a pipe gives
+    each part of its stream) are refused."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        _agreeing_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=1):
+        assert time.monotonic() < deadline, "the two processes did not end"
+    reports = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    assert [r.pop("none") for r in reports] == [0, 1]  # nothing failed: each its own result
+    assert reports[0] == reports[1]
+    report = reports[0]
+    assert report["one"] == "ValueError: process 1 of 2: rank 1's own problem"
+    assert report["both"] == "ValueError: the same problem"
+    assert report["os"] == "ValueError: process 0 of 2: /data/x: No such file or directory (FileNotFoundError)"
+    assert report["texts"] == (
+        "the 2 processes read different texts from a pipe (40, 43 bytes): a pipe gives each process part of its "
+        "stream; write the text to a file, which every process reads whole"
+    )
+
+
+def test_ctrl_c_forwarded_by_torchrun_counts_once(monkeypatch):
+    """Under torchrun a terminal's Ctrl-C reaches a process from the terminal and again
+    from torchrun within milliseconds: one request to stop after the step. A Ctrl-C
+    pressed later, or without torchrun, stops at once."""
+    from dilated_attention.training.trainer import _StopRequest
+
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    for under_torchrun in (True, False):
+        if under_torchrun:
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        else:
+            monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        stop = _StopRequest()
+        stop._handle(signal.SIGINT, None)
+        assert stop.requested and stop.signal == "SIGINT"
+        now[0] += 0.01
+        if under_torchrun:
+            stop._handle(signal.SIGINT, None)  # torchrun's forward
+            stop._handle(signal.SIGTERM, None)  # and its shutdown
+            assert stop.signal == "SIGINT"
+            now[0] += _StopRequest.ECHO_S
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(signal.SIGINT, None)
+
+
+def test_split_and_resume_refusals_name_the_processes_that_work(tmp_path, text_file):
+    from dilated_attention.training import parallel, trainer
+
+    def place(world, mode="data"):
+        fake = parallel.Parallel(rank=0, world=world, mode=mode)
+        fake.gather = lambda value: [value] * world  # one process standing for all
+        return fake
+
+    six = settings(text_file, batch_size=6)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "--batch-size 6 must be divisible by the 4 processes: launch 2, 3 or 6 processes, "
+            "or a --batch-size they divide"
+        ),
+    ):
+        trainer._check_split(six, place(4), resume=False)
+    with pytest.raises(
+        ValueError,
+        match=re.escape("--batch-size 6 (the run's) must be divisible by the 4 processes: launch 2, 3 or 6 processes")
+        + "$",
+    ):
+        trainer._check_split(six, place(4), resume=True)
+    with pytest.raises(
+        ValueError, match=re.escape("--batch-size 1 must be divisible by the 2 processes: run one process")
+    ):
+        trainer._check_split(settings(text_file, batch_size=1), place(2), resume=False)
+    # With dropout, a run resumes on the number of processes that trained it; without, on any.
+    for dropout in (0.1, 0.0):
+        run = str(tmp_path / f"run-{dropout}")
+        train(run, settings(text_file, steps=2), CONFIG.replace(dropout=dropout), progress=False)
+        config, saved = read_run_config(run)
+        if dropout:
+            with pytest.raises(
+                ValueError,
+                match=re.escape(
+                    f"{run} was trained by 1 process with dropout 0.1, and its resumed runs keep that number: the "
+                    "dropout masks depend on how the processes split a step (without dropout, any number resumes a "
+                    "run exactly): run it with one process"
+                ),
+            ):
+                trainer._checked_state(run, config, saved, place(2))
+        else:
+            assert trainer._checked_state(run, config, saved, place(2))["step"] == 2
+
+
+def test_a_shell_pipe_that_did_not_reach_the_process_is_named():
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "data (--data) /dev/fd/987: no such file or folder (a shell's <(...) reaches only the process the "
+            "shell starts, not those torchrun starts: write the text to a file)"
+        ),
+    ):
+        load_corpus("/dev/fd/987")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import sys
 import time
 from collections.abc import Sequence
@@ -17,9 +16,9 @@ from ..ops import fused, validation
 from ..ops.plan import MODES
 from ..training.commands import add_evaluate, add_generate, add_train
 from ..utils.devices import device_type
-from ..utils.extras import MissingExtra, require
+from ..utils.extras import require
 from ..utils.files import check_output_file, check_output_folder, fresh_folder, write_results
-from ..utils.memory import OutOfMemory, check_fits, first_line, is_out_of_memory
+from ..utils.memory import check_fits
 from . import benchmark
 from .arguments import (
     Parser,
@@ -32,6 +31,7 @@ from .arguments import (
     seed,
     threads,
 )
+from .errors import exit_status
 
 DTYPES = validation.FLOAT_DTYPES
 
@@ -594,48 +594,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, TypeError, MissingExtra, OutOfMemory) as exc:  # OutOfMemory: the library's advice
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (RuntimeError, MemoryError) as exc:  # memory the sizes asked for and the machine does not have
-        if not is_out_of_memory(exc):
+    except BaseException as exc:
+        code = exit_status(exc)
+        if code is None:
             raise
-        print(f"error: out of memory ({first_line(exc)}): use smaller sizes (batch, context, model)", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a file or folder the command reads or writes, or the output's reader gone
-        if isinstance(exc, BrokenPipeError) and _stdout_is_broken():  # `... | head`: stop quietly
-            _discard_stdout()
-            return 128 + 13  # as a process that SIGPIPE ended
-        # os.replace(temporary, path) names the destination second
-        path = exc.filename2 if exc.filename2 is not None else exc.filename
-        where = f"{path}: " if path is not None else ""
-        print(f"error: {where}{exc.strerror or exc} ({type(exc).__name__})", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-
-
-def _stdout_is_broken() -> bool:
-    """Whether stdout is a pipe whose reader went away (the broken pipe was stdout's,
-    not some other pipe of the command): its write end then polls as an error."""
-    try:
-        fd = sys.stdout.fileno()
-        poller = select.poll()  # not on Windows, where no pipe is taken for stdout's
-    except (AttributeError, OSError, ValueError):
-        return False
-    poller.register(fd, select.POLLOUT)
-    return any(events & select.POLLERR for _, events in poller.poll(0))
-
-
-def _discard_stdout() -> None:
-    """Point stdout at ``os.devnull``, so that the interpreter's last flush at exit
-    writes nowhere instead of failing on the broken pipe again (Python's advice for
-    SIGPIPE)."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # not a file (a test's capture): nothing is flushed to a pipe
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    os.close(devnull)
+        return code

@@ -11,12 +11,14 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 
 import torch
 
 from ..models import PRESETS, LongNetConfig
 from ..ops.validation import counted
 from ..tools.arguments import number, seed
+from ..tools.errors import exit_status
 from ..utils.devices import device_type
 from ..utils.files import check_output_folder
 from . import checkpoint, run_folder, tasks
@@ -160,20 +162,37 @@ def _cmd_train(args) -> int:
                     f"--resume {shlex.quote(run_dir)}",
                     file=sys.stderr,
                 )
-            return 130
+            return _ended(130)
+        if _processes() > 1:  # said here, then ended here (see _ended), the error still held
+            code = exit_status(exc)
+            if code is None:
+                traceback.print_exc()
+            _ended(1 if code is None else code)
         raise
     if int(os.environ.get("RANK", "0")) == 0:
         _report(summary)
     # as a shell reports a process a signal ended: 128 + its number (130 for Ctrl-C, 143 for SIGTERM)
     code = 128 + signal.Signals[summary["signal"] or "SIGINT"] if summary["stopped"] == "interrupted" else 0
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # The process group is gone and everything is written. torch 2.13's gloo can
-        # abort ("terminate called without an active exception") at interpreter exit
-        # after that, which torchrun reports as a failure: end the process here.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    return _ended(code)
+
+
+def _processes() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _ended(code: int) -> int:
+    """``code``, which one process returns; one of several started by ``torchrun`` ends
+    here instead, its output flushed. Its process group is gone and everything is
+    written, but what Python frees at exit can hang or abort it: DDP's gradient
+    reducer, freed with an error's traceback, can wait forever on gloo's worker
+    thread (found after a failed write and after Ctrl-C), and torch 2.13's gloo can
+    abort ("terminate called without an active exception"), which torchrun reports
+    as a failure."""
+    if _processes() == 1:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def add_run_option(p) -> None:

@@ -23,6 +23,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from ..tools.errors import describe
 from ..utils.devices import device_type
 
 T = TypeVar("T")
@@ -72,6 +73,27 @@ class Parallel:
         values: list = [None] * self.world
         dist.all_gather_object(values, value)
         return values
+
+    def agree(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on every rank. Where it raises a ``ValueError``, ``TypeError`` or
+        ``OSError`` on some rank, every rank raises a ``ValueError`` with the first such
+        rank's message (a collective), so that all ranks stop alike: a rank left
+        waiting in the next collective would end with gloo's traceback instead."""
+        result, error = None, None
+        try:
+            result = fn()
+        except (ValueError, TypeError, OSError) as exc:
+            if self.world == 1:
+                raise
+            error = describe(exc)
+        if self.world > 1:
+            errors = self.gather(error)
+            failed = [rank for rank, message in enumerate(errors) if message is not None]
+            if failed:
+                message = errors[failed[0]]
+                alike = all(errors[rank] == message for rank in range(self.world))
+                raise ValueError(message if alike else f"process {failed[0]} of {self.world}: {message}")
+        return result  # type: ignore[return-value]
 
     def on_main(self, fn: Callable[[], T]) -> T | None:
         """``fn()`` on rank 0 only: its result there, ``None`` elsewhere. A ``ValueError``

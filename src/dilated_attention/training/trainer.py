@@ -70,14 +70,20 @@ class _StopRequest:
     """Ctrl-C (SIGINT) or SIGTERM during training: the first finishes the current step,
     checkpoints and stops (``signal``: its name); a second Ctrl-C interrupts at once (the
     previous checkpoint stays whole). A signal the process was started ignoring (a run
-    in the background of a script) stays ignored."""
+    in the background of a script) stays ignored. Under ``torchrun`` a Ctrl-C in its
+    terminal reaches each process twice or more within milliseconds (from the terminal,
+    then forwarded by ``torchrun``, which may add a SIGTERM as it shuts down): signals
+    within :attr:`ECHO_S` seconds of the first are that one request."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    ECHO_S = 2.0
 
     def __init__(self):
         self.requested = False
         self.signal: str | None = None
         self._previous = {}
+        self._first_at = 0.0
+        self._echoes = "TORCHELASTIC_RUN_ID" in os.environ  # a process torchrun started
 
     def __enter__(self):
         for sig in self.SIGNALS:
@@ -88,9 +94,12 @@ class _StopRequest:
         return self
 
     def _handle(self, signum, frame):
+        now = time.monotonic()
         if self.requested:
+            if self._echoes and now - self._first_at < self.ECHO_S:
+                return
             raise KeyboardInterrupt
-        self.requested, self.signal = True, signal.Signals(signum).name
+        self.requested, self.signal, self._first_at = True, signal.Signals(signum).name, now
         print(
             f"\n{signal.Signals(signum).name}: stopping after this step and writing a checkpoint (Ctrl-C again "
             "stops at once)",
@@ -182,12 +191,18 @@ def _train_or_resume(run_dir, settings, model_config, resume, device, callback, 
     )
     place = parallel.setup(settings.sequence_parallel, device, asked_by)
     try:
-        _check_split(settings, place)
-        _check_fits(model_config, place.device)
-        _check_kernel(model_config, settings, place)
-        _check_data(settings, run_dir, resume)
-        corpus = load_corpus(settings.data)
-        check_long_enough(corpus, settings.context)
+
+        def prepare():
+            _check_split(settings, place, resume)
+            _check_fits(model_config, place.device)
+            _check_kernel(model_config, settings, place)
+            _check_data(settings, run_dir, resume)
+            corpus = load_corpus(settings.data)
+            check_long_enough(corpus, settings.context)
+            return corpus
+
+        corpus = place.agree(prepare)  # a rank's failure is every rank's
+        _check_same_text(corpus, place)
         if place.is_main:
             _note_evaluation_windows(corpus, settings)
             _note_long_warmup(settings)
@@ -579,11 +594,29 @@ def _note_evaluation_windows(corpus, settings: TrainSettings) -> None:
         )
 
 
-def _check_split(settings: TrainSettings, place) -> None:
+def _check_split(settings: TrainSettings, place, resume: bool) -> None:
     if place.mode == "data" and settings.batch_size % place.world:
-        raise ValueError(f"--batch-size {settings.batch_size} must be divisible by the {place.world} processes")
+        counts = [str(n) for n in range(2, min(settings.batch_size, 64) + 1) if settings.batch_size % n == 0]
+        launch = f"{', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else "".join(counts)
+        whose = " (the run's)" if resume else ""
+        other = "" if resume else ", or a --batch-size they divide"
+        raise ValueError(
+            f"--batch-size {settings.batch_size}{whose} must be divisible by the {place.world} processes: "
+            f"{f'launch {launch} processes' if launch else 'run one process'}{other}"
+        )
     if place.mode == "sequence" and settings.context < place.world:
         raise ValueError(f"--context {settings.context} is shorter than the {place.world} sequence shards")
+
+
+def _check_same_text(corpus, place) -> None:
+    """Every rank read the same text (a pipe given as ``--data`` gives each process part of its stream)."""
+    fingerprints = place.gather(corpus.fingerprint)
+    if any(f != fingerprints[0] for f in fingerprints):
+        sizes = ", ".join(f"{f['bytes']:,}" for f in fingerprints)
+        raise ValueError(
+            f"the {place.world} processes read different texts from {corpus.source} ({sizes} bytes): a pipe gives "
+            "each process part of its stream; write the text to a file, which every process reads whole"
+        )
 
 
 def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings, place) -> dict | None:
@@ -597,6 +630,14 @@ def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSet
     state = checkpoint.load_checkpoint(run_dir)
     _matching_config(run_dir, model_config, state)
     _check_model(model_config, settings)
+    trained_by = len(state["rng"])  # a random state per process
+    if model_config.dropout > 0 and trained_by != place.world:
+        launch = f"torchrun --nproc_per_node {trained_by}" if trained_by > 1 else "one process"
+        raise ValueError(
+            f"{run_dir} was trained by {trained_by} process{'es' if trained_by > 1 else ''} with dropout "
+            f"{model_config.dropout:g}, and its resumed runs keep that number: the dropout masks depend on how the "
+            f"processes split a step (without dropout, any number resumes a run exactly): run it with {launch}"
+        )
     # settings that checkpoints of earlier versions lack have their defaults (and those kept the data path)
     saved = {**_fixed_settings(TrainSettings()), **state["settings"]}
     if {k: v for k, v in saved.items() if k not in RESUMABLE_CHANGES} != _fixed_settings(settings):
