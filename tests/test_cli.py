@@ -93,6 +93,22 @@ def test_pattern_has_a_colour_bar_per_head_and_a_caption(tmp_path, monkeypatch):
     assert "scores are equal" in caption and "counts twice" in caption and "not attended" in caption
 
 
+def test_pattern_makes_its_folder_only_for_a_picture(tmp_path, monkeypatch):
+    args = ["pattern", "--segment-lengths", "4", "--dilation-rates", "1", "--length", "8", "--heads", "1"]
+    out = tmp_path / "new" / "folder" / "p.png"
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("drawing failed")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(pattern, "attention_weights_uniform", fails)
+        with pytest.raises(RuntimeError, match="drawing failed"):
+            main([*args, "--out", str(out)])
+    assert not (tmp_path / "new").exists()  # nothing left behind
+    assert main([*args, "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_pattern_draws_contiguous_head_offsets(tmp_path, capsys):
     args = ["pattern", "--segment-lengths", "8", "16", "--dilation-rates", "1", "2", "--length", "16", "--heads", "4"]
     summaries = {}

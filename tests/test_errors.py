@@ -202,6 +202,30 @@ def test_numpy_bools_are_bools():
         call(is_causal=1)
 
 
+def test_numpy_strings_are_kept_as_plain_strings():
+    """A choice given as a str subclass (NumPy's) is kept as a str, a constant for
+    torch.compile (a numpy.str_ attribute broke a compiled module's graph)."""
+    np = pytest.importorskip("numpy")
+    from dilated_attention import DilatedAttention, StaticKVCache
+    from dilated_attention.models import LongNetConfig
+
+    module = DilatedAttention([4], [2], mode=np.str_("head_groups"), head_offsets=np.str_("contiguous"))
+    cache = StaticKVCache(1, 2, 4, [4], [2], kernel=np.str_("torch"))
+    config = LongNetConfig(
+        vocab_size=8,
+        dim=8,
+        depth=1,
+        heads=2,
+        segment_lengths=(4,),
+        dilation_rates=(2,),
+        mode=np.str_("head_groups"),
+        positions=np.str_("none"),
+    )
+    for value in (module.mode, module.head_offsets, cache.kernel, config.mode, config.positions):
+        assert type(value) is str
+    assert torch.equal(call(mode=np.str_("head_groups")), call(mode="head_groups"))
+
+
 @pytest.mark.parametrize("huge", [2**62, 2**63, 2**64, 10**30])
 def test_huge_segment_lengths_and_rates_are_exact(huge):
     """``w >= N`` is one segment; a rate beyond the segment selects one row per head

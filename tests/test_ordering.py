@@ -106,7 +106,7 @@ def test_apply_invert_and_shard(grid, kind, extra, world):
 
 def test_orders_are_cached_per_grid_and_checked():
     assert grid_order("hilbert", 12, 7) is grid_order("hilbert", 12, 7)
-    with pytest.raises(ValueError, match="order must be one of"):
+    with pytest.raises(ValueError, match="kind must be one of"):
         grid_order("snake", 4, 4)
     with pytest.raises(ValueError, match="width must be >= 1"):
         grid_order("hilbert", 4, 0)

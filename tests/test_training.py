@@ -1323,13 +1323,27 @@ def _agreeing_worker(rank, init_file, result_dir):
             report[name] = place.agree(fn)
         except ValueError as exc:
             report[name] = f"ValueError: {exc}"
-    text = torch.arange(rank, 40 + rank, dtype=torch.uint8)
-    corpus = Corpus(text, text, "a pipe", 1, {"bytes": 40 + 3 * rank, "sha256": str(rank)})
-    try:
-        trainer._check_same_text(corpus, place)
-        report["texts"] = None
-    except ValueError as exc:
-        report["texts"] = str(exc)
+
+    def reads(sizes):  # what load_corpus gives each rank: text of a size, or None for a pipe left empty
+        def load(data):
+            if sizes[rank] is None:
+                raise ValueError(f"{data} holds no text: give a file or folder with UTF-8 text in it")
+            text = torch.zeros(sizes[rank], dtype=torch.uint8)
+            return Corpus(text, text, data, 1, {"bytes": sizes[rank], "sha256": str(sizes[rank])})
+
+        return load
+
+    for name, sizes in (
+        ("same", (40, 40)),
+        ("different", (40, 43)),
+        ("one empty", (None, 40)),
+        ("empty", (None, None)),
+    ):
+        trainer.load_corpus = reads(sizes)
+        try:
+            report[name] = trainer._read_text("fifo", place).fingerprint["bytes"]
+        except ValueError as exc:
+            report[name] = str(exc)
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.barrier()
@@ -1357,10 +1371,17 @@ def test_a_failure_on_one_process_stops_every_process_alike(tmp_path):
     assert report["one"] == "ValueError: process 1 of 2: rank 1's own problem"
     assert report["both"] == "ValueError: the same problem"
     assert report["os"] == "ValueError: process 0 of 2: /data/x: No such file or directory (FileNotFoundError)"
-    assert report["texts"] == (
-        "the 2 processes read different texts from a pipe (40, 43 bytes): a pipe gives each process part of its "
-        "stream; write the text to a file, which every process reads whole"
+    assert report["same"] == 40
+    fix = "a pipe given as --data gives each process part of its stream; write the text to a file, which every "
+    assert report["different"] == (
+        f"the 2 processes read different texts from fifo (process 0: 40 bytes; process 1: 43 bytes): {fix}"
+        "process reads whole"
     )
+    assert report["one empty"] == (
+        "the 2 processes read different texts from fifo (process 0: fifo holds no text: give a file or folder "
+        f"with UTF-8 text in it; process 1: 40 bytes): {fix}process reads whole"
+    )
+    assert report["empty"] == "fifo holds no text: give a file or folder with UTF-8 text in it"
 
 
 def test_ctrl_c_forwarded_by_torchrun_counts_once(monkeypatch):
@@ -1398,24 +1419,25 @@ def test_split_and_resume_refusals_name_the_processes_that_work(tmp_path, text_f
         return fake
 
     six = settings(text_file, batch_size=6)
+    launch = "launch 1, 2, 3 or 6 processes"
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "--batch-size 6 must be divisible by the 4 processes: launch 2, 3 or 6 processes, "
-            "or a --batch-size they divide"
+            f"--batch-size 6 must be divisible by the 4 processes: {launch}, or a --batch-size they divide"
         ),
     ):
-        trainer._check_split(six, place(4), resume=False)
+        trainer._check_split(six, place(4), resume=False, dropout=0.0)
     with pytest.raises(
         ValueError,
-        match=re.escape("--batch-size 6 (the run's) must be divisible by the 4 processes: launch 2, 3 or 6 processes")
-        + "$",
+        match=re.escape(f"--batch-size 6 (the run's) must be divisible by the 4 processes: {launch}") + "$",
     ):
-        trainer._check_split(six, place(4), resume=True)
+        trainer._check_split(six, place(4), resume=True, dropout=0.0)
+    with pytest.raises(ValueError, match=r"processes: resume it on as many processes as trained it$"):
+        trainer._check_split(six, place(4), resume=True, dropout=0.1)
     with pytest.raises(
         ValueError, match=re.escape("--batch-size 1 must be divisible by the 2 processes: run one process")
     ):
-        trainer._check_split(settings(text_file, batch_size=1), place(2), resume=False)
+        trainer._check_split(settings(text_file, batch_size=1), place(2), resume=False, dropout=0.0)
     # With dropout, a run resumes on the number of processes that trained it; without, on any.
     for dropout in (0.1, 0.0):
         run = str(tmp_path / f"run-{dropout}")
@@ -1435,7 +1457,10 @@ def test_split_and_resume_refusals_name_the_processes_that_work(tmp_path, text_f
             assert trainer._checked_state(run, config, saved, place(2))["step"] == 2
 
 
-def test_a_shell_pipe_that_did_not_reach_the_process_is_named():
+def test_a_shell_pipe_that_did_not_reach_the_process_is_named(monkeypatch):
+    with pytest.raises(ValueError, match=r"^data \(--data\) /dev/fd/987: no such file or folder$"):
+        load_corpus("/dev/fd/987")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # one of the processes torchrun started
     with pytest.raises(
         ValueError,
         match=re.escape(

@@ -51,8 +51,8 @@ class LongNetConfig:
         segs, rates = validation.check_branches(self.segment_lengths, self.dilation_rates)
         object.__setattr__(self, "segment_lengths", segs)
         object.__setattr__(self, "dilation_rates", rates)
-        validation.check_mode(self.mode)
-        validation.check_head_offsets(self.head_offsets)
+        object.__setattr__(self, "mode", validation.check_mode(self.mode))
+        object.__setattr__(self, "head_offsets", validation.check_head_offsets(self.head_offsets))
         object.__setattr__(self, "dropout", validation.check_dropout(self.dropout, "dropout"))
         object.__setattr__(self, "tie_embeddings", validation.check_flag(self.tie_embeddings, "tie_embeddings"))
         if self.dim % self.heads:
@@ -65,7 +65,7 @@ class LongNetConfig:
                 )
         if self.mode == "head_groups":
             validation.check_head_groups(self.heads, len(segs))
-        validation.check_choice(self.positions, "positions", POSITIONS)
+        object.__setattr__(self, "positions", validation.check_choice(self.positions, "positions", POSITIONS))
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head dim (dim / heads), got {self.head_dim}")
         object.__setattr__(

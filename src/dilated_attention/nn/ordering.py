@@ -56,7 +56,7 @@ def grid_permutations(kind: str, height: int, width: int) -> tuple[torch.Tensor,
     made once per grid and kept only as real CPU tensors: placeholders of a tracer
     (which ``torch.export`` runs this under) and tensors made under a default device
     (``with torch.device("meta")``) are not kept for later calls."""
-    validation.check_choice(kind, "order", ORDERS)
+    kind = validation.check_choice(kind, "kind", ORDERS)
     height, width = _check_grid(height, width)
     made = _made_permutations(kind, height, width)
     if type(made[0]) is not torch.Tensor or made[0].device.type != "cpu":  # a tracer's placeholder, or elsewhere

@@ -110,13 +110,15 @@ def _check_branches(segment_lengths, dilation_rates) -> tuple[tuple[int, ...], t
 
 
 def check_choice(value, name: str, choices, meaning: str = "") -> str:
-    """``value`` if it is one of the strings ``choices``; else a ``TypeError`` (not a str)
-    or a ``ValueError`` (another str) naming ``name``, the choices and their ``meaning``."""
+    """``value`` as a plain str if it is one of the strings ``choices`` (a str subclass,
+    NumPy's included, becomes a str, which ``torch.compile`` takes as a constant); else a
+    ``TypeError`` (not a str) or a ``ValueError`` (another str) naming ``name``, the
+    choices and their ``meaning``."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be one of {tuple(choices)} (a str), got {type_name(value)}")
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}{meaning}, got {value!r}")
-    return value
+    return str.__str__(value)
 
 
 def check_mode(mode) -> str:

@@ -103,7 +103,6 @@ def _cmd_pattern(args) -> int:
         return 2
     if args.mode == "head_groups":
         validation.check_head_groups(args.heads, len(segs))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     lines = draw_pattern(
         args.out,
         args.length,
@@ -140,7 +139,6 @@ def _grid_pattern(args, segs, rates) -> int:
         return 2
     if args.mode == "head_groups":
         validation.check_head_groups(heads, len(segs))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     table = draw_grid_pattern(
         args.out,
         height,

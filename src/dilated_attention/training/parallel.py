@@ -96,19 +96,23 @@ class Parallel:
         return result  # type: ignore[return-value]
 
     def on_main(self, fn: Callable[[], T]) -> T | None:
-        """``fn()`` on rank 0 only: its result there, ``None`` elsewhere. A ``ValueError``
-        it raises is raised on every rank (a collective), so that all ranks stop alike."""
+        """``fn()`` on rank 0 only (the run folder's writes): its result there, ``None``
+        elsewhere. What it raises is raised on every rank (a collective), so that all
+        ranks stop alike: on rank 0 as it is, on the others as a ``ValueError`` with its
+        message."""
         result, error = None, None
         if self.is_main:
             try:
                 result = fn()
-            except ValueError as exc:
+            except Exception as exc:
                 if self.world == 1:
                     raise
-                error = str(exc)
+                error = exc
         if self.world > 1:
-            shared = [error]
+            shared = [None if error is None else describe(error)]
             dist.broadcast_object_list(shared, src=0)
+            if error is not None:
+                raise error
             if shared[0] is not None:
                 raise ValueError(shared[0])
         return result

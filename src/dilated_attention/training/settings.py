@@ -84,7 +84,7 @@ class TrainSettings:
             fix = "train on a shorter context, or on the passkey task"
             tasks.check_length(self.task, self.context + 1, "context", fix)  # a sequence and its next byte
         self.task_fraction = validation.check_number(self.task_fraction, "task_fraction", 0, 1)
-        validation.check_choice(self.dtype, "dtype", sorted(AUTOCAST_DTYPES))
+        self.dtype = validation.check_choice(self.dtype, "dtype", sorted(AUTOCAST_DTYPES))
         if self.data is not None:
             try:
                 self.data = os.fsdecode(self.data)  # a str (bytes paths too): the run's config holds it

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import math
 import os
 import shlex
@@ -23,6 +24,7 @@ from torch.nn import functional as F
 
 from ..models import LongNetConfig, LongNetLM
 from ..ops import fused, validation
+from ..tools.errors import describe
 from ..utils.devices import device_type
 from ..utils.extras import require
 from ..utils.memory import OutOfMemory, check_fits, first_line, is_out_of_memory
@@ -192,17 +194,15 @@ def _train_or_resume(run_dir, settings, model_config, resume, device, callback, 
     place = parallel.setup(settings.sequence_parallel, device, asked_by)
     try:
 
-        def prepare():
-            _check_split(settings, place, resume)
+        def check():
+            _check_split(settings, place, resume, model_config.dropout)
             _check_fits(model_config, place.device)
             _check_kernel(model_config, settings, place)
             _check_data(settings, run_dir, resume)
-            corpus = load_corpus(settings.data)
-            check_long_enough(corpus, settings.context)
-            return corpus
 
-        corpus = place.agree(prepare)  # a rank's failure is every rank's
-        _check_same_text(corpus, place)
+        place.agree(check)  # a rank's failure is every rank's
+        corpus = _read_text(settings.data, place)
+        check_long_enough(corpus, settings.context)
         if place.is_main:
             _note_evaluation_windows(corpus, settings)
             _note_long_warmup(settings)
@@ -276,13 +276,16 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
         batches.load_state_dict(state["data"])
         _restore_rng(state["rng"], place, settings.seed + 1_000_003 * place.rank + state["step"])
         step, elapsed = state["step"], state["elapsed_s"]
-        if place.is_main:
+
+        def resumed():
             run_folder.truncate_log(run_dir, step)
             _note_changed_text(state.get("corpus"), corpus, run_dir)
             _note_new_schedule(run_folder.read_run_config(run_dir)[1], settings, step)
             run_folder.write_run_config(run_dir, model_config, settings)  # the total steps may have changed
-    elif place.is_main:
-        run_folder.start_run_folder(run_dir, model_config, settings)
+
+        place.on_main(resumed)
+    else:
+        place.on_main(lambda: run_folder.start_run_folder(run_dir, model_config, settings))
     first_step = step
     trained = place.wrap(model)
     autocast = AUTOCAST_DTYPES[settings.dtype]
@@ -313,8 +316,8 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
 
     def save():
         rng = place.gather(_rng_state(place.device))  # a collective: every rank calls save
-        if place.is_main:
-            checkpoint.save_checkpoint(
+        place.on_main(
+            lambda: checkpoint.save_checkpoint(
                 run_dir,
                 {
                     "model": model.state_dict(),
@@ -329,14 +332,15 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
                     "corpus": corpus.fingerprint,
                 },
             )
+        )
 
-    if state is None:
-        save()  # step 0: a run is resumable from its start
     bar = _progress_bar(settings.steps, step, enabled=progress and place.is_main)
     model.train()
     stop_reason, session = "done", 0.0
     speed = _Speed()
-    with _StopRequest() as stop:
+    with _StopRequest() as stop:  # a Ctrl-C while the first checkpoint is written stops after the first step
+        if state is None:
+            save()  # step 0: a run is resumable from its start
         while step < settings.steps:
             tick = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves it after the step)
@@ -371,22 +375,16 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
             out_of_time = _agree(place, settings.minutes is not None and session >= 60 * settings.minutes)
             if step % settings.eval_interval == 0 or last or out_of_time:
                 record["val_bpb"] = evaluate()
-            if place.is_main:
-                run_folder.append_log(run_dir, record)
-                bar.update(1)
-                bar.set_postfix(bpb=f"{record['bpb']:.3f}", tokens_per_s=f"{speed.mean():.0f}")
-                if progress and bar.disable and "val_bpb" in record:
-                    _print_evaluation(record, settings.steps, speed.mean())
-                if callback is not None:
-                    callback(record)
+            # what fails there stops every rank
+            place.on_main(functools.partial(_logged, run_dir, record, bar, speed, progress, settings.steps, callback))
             if "val_bpb" in record:
                 speed = _Speed()
             interrupted = _agree(place, stop.requested)
             stop_now = out_of_time or interrupted
             if step % settings.checkpoint_interval == 0 or last or stop_now:
                 save()
-            if ("val_bpb" in record or last or stop_now) and place.is_main:
-                run_folder.plot(run_dir)
+            if "val_bpb" in record or last or stop_now:
+                place.on_main(lambda: run_folder.plot(run_dir))
             if stop_now and not last:  # a run whose last step ends as time runs out is done
                 stop_reason = "interrupted" if interrupted else "out of time"
                 break
@@ -402,6 +400,17 @@ def _train(run_dir, settings, model_config, corpus, resume, place, callback, pro
         "parameters": model.num_parameters(),
         "resumed_from": first_step,
     }
+
+
+def _logged(run_dir: str, record: dict, bar, speed, progress: bool, steps: int, callback) -> None:
+    """Rank 0's part of a step: the log line, the progress bar, the callback."""
+    run_folder.append_log(run_dir, record)
+    bar.update(1)
+    bar.set_postfix(bpb=f"{record['bpb']:.3f}", tokens_per_s=f"{speed.mean():.0f}")
+    if progress and bar.disable and "val_bpb" in record:
+        _print_evaluation(record, steps, speed.mean())
+    if callback is not None:
+        callback(record)
 
 
 class _Speed:
@@ -594,29 +603,48 @@ def _note_evaluation_windows(corpus, settings: TrainSettings) -> None:
         )
 
 
-def _check_split(settings: TrainSettings, place, resume: bool) -> None:
+def _check_split(settings: TrainSettings, place, resume: bool, dropout: float) -> None:
     if place.mode == "data" and settings.batch_size % place.world:
-        counts = [str(n) for n in range(2, min(settings.batch_size, 64) + 1) if settings.batch_size % n == 0]
-        launch = f"{', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else "".join(counts)
+        counts = [str(n) for n in range(1, settings.batch_size + 1) if settings.batch_size % n == 0]
+        if resume and dropout > 0:  # see _checked_state
+            fix = "resume it on as many processes as trained it"
+        else:
+            fix = f"launch {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else "run one"
+            fix += " processes" if len(counts) > 1 else " process"
+            fix += "" if resume else ", or a --batch-size they divide"
         whose = " (the run's)" if resume else ""
-        other = "" if resume else ", or a --batch-size they divide"
         raise ValueError(
-            f"--batch-size {settings.batch_size}{whose} must be divisible by the {place.world} processes: "
-            f"{f'launch {launch} processes' if launch else 'run one process'}{other}"
+            f"--batch-size {settings.batch_size}{whose} must be divisible by the {place.world} processes: {fix}"
         )
     if place.mode == "sequence" and settings.context < place.world:
         raise ValueError(f"--context {settings.context} is shorter than the {place.world} sequence shards")
 
 
-def _check_same_text(corpus, place) -> None:
-    """Every rank read the same text (a pipe given as ``--data`` gives each process part of its stream)."""
-    fingerprints = place.gather(corpus.fingerprint)
-    if any(f != fingerprints[0] for f in fingerprints):
-        sizes = ", ".join(f"{f['bytes']:,}" for f in fingerprints)
-        raise ValueError(
-            f"the {place.world} processes read different texts from {corpus.source} ({sizes} bytes): a pipe gives "
-            "each process part of its stream; write the text to a file, which every process reads whole"
-        )
+def _read_text(data: str | None, place):
+    """:func:`load_corpus` of ``data`` on every rank, which must read the same text (a
+    pipe would give each process part of its stream): what it raises where every rank
+    fails alike, else a ``ValueError`` naming what each rank read."""
+    try:
+        corpus = load_corpus(data)
+    except (ValueError, TypeError, OSError) as exc:
+        if place.world == 1:
+            raise
+        read = place.gather(describe(exc))
+        if all(r == read[0] for r in read):
+            raise
+    else:
+        read = place.gather(corpus.fingerprint)
+        if all(r == read[0] for r in read):
+            return corpus
+    sizes = "; ".join(
+        f"process {rank}: {r['bytes']:,} bytes" if isinstance(r, dict) else f"process {rank}: {r}"
+        for rank, r in enumerate(read)
+    )
+    raise ValueError(
+        f"the {place.world} processes read different texts from {'the default text' if data is None else data} "
+        f"({sizes}): a pipe given as --data gives each process part of its stream; write the text to a file, "
+        "which every process reads whole"
+    )
 
 
 def _checked_state(run_dir: str, model_config: LongNetConfig, settings: TrainSettings, place) -> dict | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from .extras import require
 from .files import atomic_write
 
@@ -33,12 +35,15 @@ def log_log(axes_and_labels, xlabel: str, legend_size: int = 7) -> None:
 
 def save(fig, path: str, title: str, fontsize: int = 9, caption: str = "") -> None:
     """Title the figure, put ``caption`` (if any) under it, write it to ``path`` as
-    PNG (atomically) and release it."""
+    PNG (atomically; its folder is made when the picture is ready) and release it."""
     plt = pyplot()
-    fig.suptitle(title, fontsize=fontsize)
-    fig.tight_layout()
-    if caption:
-        fig.text(0.5, 0, caption, ha="center", va="top", fontsize=fontsize - 1, wrap=True)
-    with atomic_write(path, binary=True) as f:
-        fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        fig.suptitle(title, fontsize=fontsize)
+        fig.tight_layout()
+        if caption:
+            fig.text(0.5, 0, caption, ha="center", va="top", fontsize=fontsize - 1, wrap=True)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with atomic_write(path, binary=True) as f:
+            fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
