@@ -1419,7 +1419,7 @@ def test_split_and_resume_refusals_name_the_processes_that_work(tmp_path, text_f
         return fake
 
     six = settings(text_file, batch_size=6)
-    launch = "launch 1, 2, 3 or 6 processes"
+    launch = "launch a number of processes that divides it (1, 2, 3, 6)"
     with pytest.raises(
         ValueError,
         match=re.escape(
@@ -1435,7 +1435,10 @@ def test_split_and_resume_refusals_name_the_processes_that_work(tmp_path, text_f
     with pytest.raises(ValueError, match=r"processes: resume it on as many processes as trained it$"):
         trainer._check_split(six, place(4), resume=True, dropout=0.1)
     with pytest.raises(
-        ValueError, match=re.escape("--batch-size 1 must be divisible by the 2 processes: run one process")
+        ValueError,
+        match=re.escape(
+            "--batch-size 1 must be divisible by the 2 processes: launch a number of processes that divides it (1)"
+        ),
     ):
         trainer._check_split(settings(text_file, batch_size=1), place(2), resume=False, dropout=0.0)
     # With dropout, a run resumes on the number of processes that trained it; without, on any.

@@ -605,12 +605,12 @@ def _note_evaluation_windows(corpus, settings: TrainSettings) -> None:
 
 def _check_split(settings: TrainSettings, place, resume: bool, dropout: float) -> None:
     if place.mode == "data" and settings.batch_size % place.world:
-        counts = [str(n) for n in range(1, settings.batch_size + 1) if settings.batch_size % n == 0]
         if resume and dropout > 0:  # see _checked_state
             fix = "resume it on as many processes as trained it"
         else:
-            fix = f"launch {', '.join(counts[:-1])} or {counts[-1]}" if len(counts) > 1 else "run one"
-            fix += " processes" if len(counts) > 1 else " process"
+            counts = [str(n) for n in range(1, min(settings.batch_size, 64) + 1) if settings.batch_size % n == 0]
+            counts += ["..."] if settings.batch_size > 64 else []
+            fix = f"launch a number of processes that divides it ({', '.join(counts)})"
             fix += "" if resume else ", or a --batch-size they divide"
         whose = " (the run's)" if resume else ""
         raise ValueError(
