@@ -1402,8 +1402,11 @@ def test_ctrl_c_forwarded_by_torchrun_counts_once(monkeypatch):
         assert stop.requested and stop.signal == "SIGINT"
         now[0] += 0.01
         if under_torchrun:
-            stop._handle(signal.SIGINT, None)  # torchrun's forward
-            stop._handle(signal.SIGTERM, None)  # and its shutdown
+            try:
+                stop._handle(signal.SIGINT, None)  # torchrun's forward
+                stop._handle(signal.SIGTERM, None)  # and its shutdown
+            except KeyboardInterrupt:
+                pytest.fail("torchrun's forward of the Ctrl-C was taken as a second Ctrl-C")
             assert stop.signal == "SIGINT"
             now[0] += _StopRequest.ECHO_S
         with pytest.raises(KeyboardInterrupt):
