@@ -1177,6 +1177,9 @@ def test_run_folder_readers_name_their_argument(tmp_path):
             reader(5)
     with pytest.raises(ValueError, match="does not exist"):
         read_log(str(tmp_path / "typo"))  # [] before, as for a run that has logged nothing
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'empty'} is empty: pass a folder a train run")):
+        read_run_config(tmp_path / "empty")  # a path object: its message's command quoted it as a str
 
 
 def test_load_corpus_refuses_what_is_not_a_path():

@@ -148,7 +148,8 @@ def run_dir_path(run_dir) -> str:
 
 def read_run_config(run_dir: str) -> tuple[LongNetConfig, TrainSettings]:
     """The model configuration and settings a run folder was started with."""
-    path = os.path.join(run_dir_path(run_dir), CONFIG)
+    run_dir = run_dir_path(run_dir)
+    path = os.path.join(run_dir, CONFIG)
     if not os.path.isfile(path):
         held = set(os.listdir(run_dir)) if os.path.isdir(run_dir) else None
         train_it = f"dilated-attention train --out {shlex.quote(run_dir)}"
