@@ -1466,10 +1466,13 @@ def test_split_and_resume_refusals_name_the_processes_that_work(tmp_path, text_f
             assert trainer._checked_state(run, config, saved, place(2))["step"] == 2
 
 
-def test_a_shell_pipe_that_did_not_reach_the_process_is_named(monkeypatch):
+def test_a_shell_pipe_that_did_not_reach_the_process_is_named():
+    from dilated_attention.training import parallel, trainer
+
     with pytest.raises(ValueError, match=r"^data \(--data\) /dev/fd/987: no such file or folder$"):
         load_corpus("/dev/fd/987")
-    monkeypatch.setenv("WORLD_SIZE", "2")  # one of the processes torchrun started
+    place = parallel.Parallel(rank=0, world=2, mode="data")  # one of the processes torchrun started
+    place.gather = lambda value: [value] * 2  # the other process failed alike
     with pytest.raises(
         ValueError,
         match=re.escape(
@@ -1477,4 +1480,4 @@ def test_a_shell_pipe_that_did_not_reach_the_process_is_named(monkeypatch):
             "shell starts, not those torchrun starts: write the text to a file)"
         ),
     ):
-        load_corpus("/dev/fd/987")
+        trainer._read_text("/dev/fd/987", place)

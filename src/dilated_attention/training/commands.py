@@ -21,7 +21,7 @@ from ..tools.arguments import number, seed
 from ..tools.errors import exit_status
 from ..utils.devices import device_type
 from ..utils.files import check_output_folder
-from . import checkpoint, run_folder, tasks
+from . import checkpoint, parallel, run_folder, tasks
 from .run_folder import read_log, read_run_config
 from .settings import AUTOCAST_DTYPES, TrainSettings
 from .trainer import load_model, train
@@ -163,7 +163,7 @@ def _cmd_train(args) -> int:
                     file=sys.stderr,
                 )
             return _ended(130)
-        if _processes() > 1:  # said here, then ended here (see _ended), the error still held
+        if parallel.launched_processes() > 1:  # said here, then ended here (see _ended), the error still held
             code = exit_status(exc)
             if code is None:
                 traceback.print_exc()
@@ -176,10 +176,6 @@ def _cmd_train(args) -> int:
     return _ended(code)
 
 
-def _processes() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _ended(code: int) -> int:
     """``code``, which one process returns; one of several started by ``torchrun`` ends
     here instead, its output flushed. Its process group is gone and everything is
@@ -188,7 +184,7 @@ def _ended(code: int) -> int:
     thread (found after a failed write and after Ctrl-C), and torch 2.13's gloo can
     abort ("terminate called without an active exception"), which torchrun reports
     as a failure."""
-    if _processes() == 1:
+    if parallel.launched_processes() == 1:
         return code
     sys.stdout.flush()
     sys.stderr.flush()

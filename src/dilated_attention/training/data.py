@@ -109,15 +109,7 @@ def load_corpus(path: str | None = None) -> Corpus:
         if not isinstance(path, (str, os.PathLike)):  # an int or bool would be read as a file descriptor
             raise TypeError(f"path must be a file's or folder's path, or None, got {type_name(path)}")
         if not os.path.exists(path):
-            pipe = os.fsdecode(path).startswith(("/dev/fd/", "/proc/self/fd/"))
-            pipe = pipe and int(os.environ.get("WORLD_SIZE", "1")) > 1  # one of the processes torchrun started
-            hint = (
-                " (a shell's <(...) reaches only the process the shell starts, not those torchrun starts: "
-                "write the text to a file)"
-                if pipe
-                else ""
-            )
-            raise ValueError(f"data (--data) {path}: no such file or folder{hint}")
+            raise ValueError(f"data (--data) {path}: no such file or folder")
         files = _files_under(path) if os.path.isdir(path) else [path]
         if not files:
             raise ValueError(

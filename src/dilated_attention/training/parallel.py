@@ -142,11 +142,16 @@ class Parallel:
             g.copy_(part.view_as(g))
 
 
+def launched_processes() -> int:
+    """How many processes ``torchrun`` started for this run (its ``WORLD_SIZE``; 1 without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup(sequence_parallel: bool, device: str | None, asked_by: str = "--sequence-parallel") -> Parallel:
     """Join the process group ``torchrun`` describes in the environment (if any), and
     pick this rank's device (``cuda:LOCAL_RANK`` on GPUs). ``asked_by``: what asked
     for ``sequence_parallel``, in the error where one process cannot do it."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_processes()
     kind = device_type(device, "device")
     if world == 1:
         if sequence_parallel:

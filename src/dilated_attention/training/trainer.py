@@ -623,7 +623,8 @@ def _check_split(settings: TrainSettings, place, resume: bool, dropout: float) -
 def _read_text(data: str | None, place):
     """:func:`load_corpus` of ``data`` on every rank, which must read the same text (a
     pipe would give each process part of its stream): what it raises where every rank
-    fails alike, else a ``ValueError`` naming what each rank read."""
+    fails alike (a missing ``/dev/fd`` path with why), else a ``ValueError`` naming what
+    each rank read."""
     try:
         corpus = load_corpus(data)
     except (ValueError, TypeError, OSError) as exc:
@@ -631,6 +632,11 @@ def _read_text(data: str | None, place):
             raise
         read = place.gather(describe(exc))
         if all(r == read[0] for r in read):
+            if isinstance(data, str) and data.startswith(("/dev/fd/", "/proc/self/fd/")) and not os.path.exists(data):
+                raise ValueError(
+                    f"{exc} (a shell's <(...) reaches only the process the shell starts, not those torchrun "
+                    "starts: write the text to a file)"
+                ) from None
             raise
     else:
         read = place.gather(corpus.fingerprint)
