@@ -27,6 +27,8 @@ Model = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class DistanceScore:
+    """The score of the examples at one distance (a row of :func:`format_table`)."""
+
     distance: int
     length: int  # bytes per example
     examples: int
@@ -36,6 +38,9 @@ class DistanceScore:
 
 @dataclass
 class RetrievalResult:
+    """What :func:`score` returns: the task, its chance accuracy and one
+    :class:`DistanceScore` per distance."""
+
     task: str
     chance: float  # the accuracy of guessing the answer's digits
     scores: list[DistanceScore] = field(default_factory=list)
@@ -103,6 +108,7 @@ def score(
 
 
 def format_table(result: RetrievalResult) -> str:
+    """``result`` as a table: one line per distance, then how far each branch reaches."""
     about = ", ".join(f"{k} {v}" for k, v in result.about.items() if k in ("run", "context", "branches"))
     lines = [
         f"{result.task}: accuracy (answered exactly; chance {result.chance:g}) and answer loss by distance"
@@ -122,6 +128,7 @@ def format_table(result: RetrievalResult) -> str:
 
 
 def to_json(result: RetrievalResult) -> dict:
+    """``result`` as plain dicts and lists (what ``retrieval-TASK.json`` holds)."""
     return asdict(result)
 
 

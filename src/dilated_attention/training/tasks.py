@@ -51,6 +51,7 @@ class Example:
 
 
 def check_task(task: str) -> str:
+    """``task`` as a plain ``str`` if it is one of ``TASKS``; else a ``ValueError`` (``TypeError`` if not a str)."""
     return validation.check_choice(task, "task", TASKS)
 
 
