@@ -1,5 +1,6 @@
 """LongNetLM: whole sequences, chunks through the cache, sampling, configuration."""
 
+import copy
 import math
 import re
 
@@ -357,3 +358,55 @@ def test_a_checkpoint_from_before_rotary_states_loads():
     new._metadata = state._metadata  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="Missing key"):  # of version 2, a missing rotary state is refused
         target.load_state_dict(new)
+
+
+def test_a_tied_model_refuses_an_untied_checkpoint_before_loading_anything():
+    """One matrix serves a tied model's embedding and head: loading two different ones
+    into it would keep the last silently (a wrong embedding, every logit changed)."""
+    torch.manual_seed(6)
+    untied, tied = (LongNetLM(small_config(tie_embeddings=tie)) for tie in (False, True))
+    before = copy.deepcopy(tied.state_dict())
+    with pytest.raises(
+        ValueError, match=r"embedding\.weight and head\.weight differ .* into one with tie_embeddings=True"
+    ):
+        tied.load_state_dict(untied.state_dict())
+    assert all(torch.equal(t, before[name]) for name, t in tied.state_dict().items() if isinstance(t, torch.Tensor))
+    tokens = torch.randint(0, 37, (2, 9))
+    for source, target in ((tied, LongNetLM(small_config(tie_embeddings=True))), (tied, untied)):
+        target.load_state_dict(source.state_dict())  # equal matrices: both configurations compute the same
+        assert torch.equal(target(tokens), source(tokens))
+    other = LongNetLM(small_config(tie_embeddings=True))
+    other.load_state_dict(copy.deepcopy(tied.state_dict()))  # equal, and after a deep copy still one tensor
+    state = tied.state_dict()
+    state["head.weight"] = state["head.weight"].clone()  # equal, two tensors (as from another format)
+    other.load_state_dict(state)
+    assert other.head.weight is other.embedding.weight and torch.equal(other(tokens), tied(tokens))
+
+
+def test_streamed_tokens_are_ordinary_tensors():
+    """``stream`` runs under inference mode; what it yields can be changed in place and
+    used where autograd records."""
+    from dilated_attention.models import stream
+
+    model = LongNetLM(small_config())
+    tokens = list(stream(model, torch.tensor([1, 2, 3]), 3, temperature=0))
+    assert not any(t.is_inference() for t in tokens)
+    tokens[0] += 1
+    embedding = torch.nn.Embedding(40, 2)
+    embedding(tokens[1]).sum().backward()
+    assert embedding.weight.grad is not None
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "fragment"),
+    [
+        (lambda m: m.new_cache(0), ValueError, "batch_size must be >= 1, got 0"),
+        (lambda m: m.new_cache(2, max_chunk=-5), ValueError, "max_chunk must be >= 1, got -5"),
+        (lambda m: m.new_cache(2, max_chunk="x"), TypeError, "max_chunk must be an int, got str"),
+        (lambda m: sample_next(torch.zeros(2, 0)), ValueError, "vocab_size of 0"),
+        (lambda m: LongNetConfig.preset(["tiny"]), TypeError, "a preset's name \\(a str\\), got list"),
+    ],
+)
+def test_model_arguments_are_named_in_their_refusals(call, error, fragment):
+    with pytest.raises(error, match=fragment):
+        call(LongNetLM(small_config()))

@@ -33,6 +33,8 @@ def sample_next(
     _check_sampling(temperature, top_k, top_p)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise ValueError("logits must be a floating-point tensor of shape (batch, vocab_size)")
+    if logits.shape[1] == 0:
+        raise ValueError("logits has a vocab_size of 0 (shape (batch, 0)): there is no token to draw")
     # float64: a temperature down to the smallest float64 (1e-320) divides without
     # overflowing the likeliest token's 0, so a tiny temperature samples the likeliest
     # tokens (uniformly among ties), as its limit does.
@@ -97,7 +99,9 @@ def stream(
             logits = model(tokens[:, start : start + chunk], cache=cache)
         for step in range(max_new_tokens):
             token = sample_next(logits[:, -1], temperature, top_k, top_p, generator)
-            yield token.clone()  # an ordinary tensor for the caller, not an inference-mode one
+            with torch.inference_mode(False):
+                ordinary = token.clone()  # for the caller: an ordinary tensor, not an inference-mode one
+            yield ordinary
             if step + 1 < max_new_tokens:
                 logits = model(token[:, None], cache=cache)
     finally:

@@ -120,6 +120,20 @@ class LongNetCache:
             layer.reset(start)
 
 
+def _refuse_untied_weights(state_dict, prefix, *_) -> None:
+    """A ``ValueError`` for a ``state_dict`` whose embedding and LM head differ, loaded
+    into a model that ties them (one matrix: the last loaded would silently win)."""
+    embedding, head = state_dict.get(prefix + "embedding.weight"), state_dict.get(prefix + "head.weight")
+    if embedding is None or head is None or embedding is head:
+        return
+    if embedding.shape != head.shape or not torch.equal(embedding, head.to(embedding.device, embedding.dtype)):
+        raise ValueError(
+            "cannot load a state_dict whose embedding.weight and head.weight differ (saved from a LongNetLM "
+            "with tie_embeddings=False) into one with tie_embeddings=True: build the model with the "
+            "checkpoint's configuration"
+        )
+
+
 class LongNetLM(nn.Module):
     """A LongNet language model: ``tokens`` ``(B, N)`` -> next-token logits ``(B, N, vocab_size)``.
 
@@ -148,6 +162,7 @@ class LongNetLM(nn.Module):
         self.gradient_checkpointing = False
         if config.tie_embeddings:
             self.head.weight = self.embedding.weight
+            self._register_load_state_dict_pre_hook(_refuse_untied_weights)
         else:
             nn.init.normal_(self.head.weight, std=config.dim**-0.5)
 
@@ -162,6 +177,7 @@ class LongNetLM(nn.Module):
         parameters'; ``start``: see :class:`dilated_attention.DilatedKVCache`;
         ``static``: :class:`dilated_attention.StaticKVCache` layers taking up to
         ``max_chunk`` tokens a call, for ``torch.compile`` and CUDA graphs)."""
+        validation.check_positive_int(batch_size, "batch_size")
         return LongNetCache(
             [
                 cast(LongNetBlock, block).attention.new_cache(

@@ -239,6 +239,7 @@ class MultiheadDilatedAttention(nn.Module):
             dtype = validation.autocast_dtype(weight.device.type)
         attention = self.attention
         kind: Any = StaticKVCache if validation.check_flag(static, "static") else DilatedKVCache
+        validation.check_positive_int(max_chunk, "max_chunk")  # checked whether or not a static cache takes it
         extra = {"max_chunk": max_chunk} if kind is StaticKVCache else {}
         return kind(
             batch,
