@@ -98,6 +98,11 @@ q0, k0, v0 = qkv()
         (dict(q=q0.int(), k=k0.int(), v=v0.int()), ValueError, "q must be float64, float32"),
         (dict(q=q0.numpy()), TypeError, "q must be a torch.Tensor"),
         (dict(v=v0[:, :, :, :0]), ValueError, "v must have every dim >= 1"),
+        (
+            dict(q=q0[:, -4:], is_causal=True, key_offset=torch.tensor([0, 4], device="meta")),
+            ValueError,
+            "key_offset is a tensor on the meta device, which holds no values",
+        ),
         (dict(mode="dilated"), ValueError, "mode must be one of"),
         (dict(mode=3), TypeError, "mode must be one of ('mixture', 'head_groups') (a str), got int"),
         (dict(head_offsets=None), TypeError, "head_offsets must be one of ('interleaved', 'contiguous') (a str)"),
@@ -136,6 +141,17 @@ def test_device_mismatch_is_reported():
     meta = torch.empty(2, 16, 4, 8, device="meta")
     with pytest.raises(ValueError, match="k must be on the device of q"):
         dilated_attention(q0, meta, v0, [4], [1])
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("empty_dim", [0, 1])
+def test_an_empty_query_is_named_in_the_multihead_layout(batch_first, empty_dim):
+    """The module names ``query`` and the shape it was given, not the projected heads."""
+    shape = [3, 5, 8]
+    shape[empty_dim] = 0
+    layout = "(batch, seq_len, " if batch_first else "(seq_len, batch, "
+    with pytest.raises(ValueError, match=re.escape(f"query must have shape {layout}embed_dim=8) with batch_first=")):
+        MultiheadDilatedAttention(8, 2, [2], [1], batch_first=batch_first)(torch.randn(shape))
 
 
 def test_module_errors():

@@ -339,10 +339,10 @@ class MultiheadDilatedAttention(nn.Module):
             dims = "(batch, seq_len, " if self.batch_first else "(seq_len, batch, "
             for name, t in (("query", query), ("key", key), ("value", value)):
                 validation.check_tensor(t, name)
-                if t.dim() != 3 or t.shape[-1] != self.embed_dim:
+                if t.dim() != 3 or t.shape[-1] != self.embed_dim or 0 in t.shape:
                     raise ValueError(
                         f"{name} must have shape {dims}embed_dim={self.embed_dim}) with "
-                        f"batch_first={self.batch_first}, got {tuple(t.shape)}"
+                        f"batch_first={self.batch_first} and every dim >= 1, got {tuple(t.shape)}"
                     )
             for name, t in (("key", key), ("value", value)):
                 if t.shape != query.shape:

@@ -398,6 +398,8 @@ def check_per_row_ints(value, name: str, batch: int) -> tuple[int, ...]:
                 f"{name} must be an int or an integer tensor of shape (batch,) = ({batch},), got "
                 f"{value.dtype} of shape {tuple(value.shape)}"
             )
+        if value.is_meta:
+            raise ValueError(f"{name} is a tensor on the meta device, which holds no values: pass it on a real device")
         return tuple(int(a) for a in value.tolist())
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int or a (batch,) integer tensor, got {type_name(value)}")
