@@ -9,7 +9,7 @@ majority of its tile nearly always. The tile spans 4 rows, which in row-major or
 are 32 tokens apart: a segment of 16 holds one row of it, a segment of 64 two rows.
 In Z or Hilbert order a tile mostly falls in one or a few segments of 16.
 
-    python3 examples/image_ordering.py [--steps 1000] [--orders row_major zorder hilbert]
+    python3 examples/image_ordering.py [--steps 1000] [--orders row_major zorder hilbert] [--out-dir DIR]
 
 The model: patch embedding (black/white) plus learned row and column embeddings, 2
 pre-norm blocks of GridAttention(MultiheadDilatedAttention(w = [16, 64], r = [1, 2],
@@ -17,10 +17,13 @@ pre-norm blocks of GridAttention(MultiheadDilatedAttention(w = [16, 64], r = [1,
 patch of 64 test images the model never saw.
 
 The table goes to stdout, one line per order as it finishes; progress (the loss
-every tenth of the steps) goes to stderr.
+every tenth of the steps) goes to stderr. With ``--out-dir``, the table (headed by the
+machine, dtype and torch version) and its numbers also go to ``image-ordering-cpu.txt``
+and ``.json`` there.
 """
 
 import argparse
+import os
 import sys
 import time
 
@@ -29,6 +32,8 @@ from torch import nn
 
 from dilated_attention import GridAttention, MultiheadDilatedAttention
 from dilated_attention.nn.ordering import ORDERS
+from dilated_attention.tools.benchmark import machine_info, machine_words
+from dilated_attention.utils.files import write_results
 
 SIDE, TILE, NOISE, DIM = 32, 4, 0.25, 64
 
@@ -107,11 +112,26 @@ def main() -> None:
     parser.add_argument(
         "--orders", nargs="+", choices=ORDERS, default=list(ORDERS), help="patch orders to compare (default: all)"
     )
+    parser.add_argument("--out-dir", help="also write image-ordering-cpu.txt and .json into this folder")
     args = parser.parse_args()
-    print(f"{'order':<10} {'test accuracy':>14} {'train s':>8}", flush=True)
+    if args.out_dir is not None and not os.path.isdir(args.out_dir):
+        parser.error(f"--out-dir {args.out_dir} is not a folder: create it first")
+    lines = [f"{'order':<10} {'test accuracy':>14} {'train s':>8}"]
+    print(lines[0], flush=True)
+    results = []
     for order in args.orders:
         accuracy, seconds = train_and_test(order, args.steps)
-        print(f"{order:<10} {accuracy:>14.1%} {seconds:>8.1f}", flush=True)
+        results.append({"order": order, "test_accuracy": accuracy, "train_seconds": seconds})
+        lines.append(f"{order:<10} {accuracy:>14.1%} {seconds:>8.1f}")
+        print(lines[-1], flush=True)
+    if args.out_dir is not None:
+        machine = machine_info(torch.device("cpu"))
+        header = (
+            f"patch orders of a tiny dilated ViT (examples/image_ordering.py), {args.steps} steps of 16 images each; "
+            f"{machine_words(machine)}, float32"
+        )
+        payload = {"machine": machine, "dtype": "float32", "steps": args.steps, "results": results}
+        write_results(os.path.join(args.out_dir, "image-ordering-cpu"), payload, "\n".join([header, "", *lines]))
 
 
 if __name__ == "__main__":

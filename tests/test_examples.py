@@ -1,6 +1,7 @@
 """The examples: the distributed one states its verdict, tolerance and worst error."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -114,9 +115,9 @@ def test_transformers_example_trains_and_generates():
     assert lines[2].startswith("def ")
 
 
-def test_image_ordering_example_trains_each_order():
+def test_image_ordering_example_trains_each_order(tmp_path):
     result = subprocess.run(
-        [sys.executable, os.path.join(EXAMPLES, "image_ordering.py"), "--steps", "2"],
+        [sys.executable, os.path.join(EXAMPLES, "image_ordering.py"), "--steps", "2", "--out-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -131,3 +132,7 @@ def test_image_ordering_example_trains_each_order():
     assert [line.split(",")[0] for line in progress] == [
         f"{order}: step {step}/2" for order in ("row_major", "zorder", "hilbert") for step in (1, 2)
     ]
+    written = (tmp_path / "image-ordering-cpu.txt").read_text().splitlines()
+    assert "2 steps of 16 images each" in written[0] and "float32" in written[0] and written[2:] == lines
+    saved = json.loads((tmp_path / "image-ordering-cpu.json").read_text())
+    assert [r["order"] for r in saved["results"]] == ["row_major", "zorder", "hilbert"] and "torch" in saved["machine"]
