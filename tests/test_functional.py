@@ -523,3 +523,38 @@ def test_grouped_query_keys_are_shared_not_repeated(layout):
     ref, _ = reference_dilated_attention(*(t.transpose(1, 2) if layout == "bhnd" else t for t in (q, k, v)), **branches)
     ref = ref.transpose(1, 2) if layout == "bhnd" else ref
     assert max_relative_error(out, ref) <= 1e-5
+
+
+def test_forward_mode_and_batched_gradients_are_refused_by_name():
+    """Forward-mode tangents are refused before any work (the CPU flash op has no
+    forward derivative: PyTorch's error named an op the caller never called), and a
+    batched backward when it reaches the library (PyTorch's batching error came from
+    inside it); the plain jacobian still matches the reference."""
+    import torch.autograd.forward_ad as fwAD
+
+    (q, k, v), _, _ = random_inputs(1, 1, 12, 2, 4)
+    q, k, v = (t.detach() for t in (q, k, v))
+    branches = dict(segment_lengths=[4, 8], dilation_rates=[1, 2], is_causal=True)
+    cache = DilatedKVCache(1, 2, 4, [4, 8], [1, 2], dtype=torch.float64)
+    for dropout_p in (0.0, 0.3):
+        with fwAD.dual_level(), pytest.raises(RuntimeError, match="has no forward-mode AD"):
+            dilated_attention(fwAD.make_dual(q, torch.randn_like(q)), k, v, dropout_p=dropout_p, **branches)
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match="has no forward-mode AD"):
+            cache.attend(q[:, :1], fwAD.make_dual(k[:, :1], torch.randn_like(k[:, :1])), v[:, :1])
+        plain = dilated_attention(q, k, v, **branches)  # no tangents: a dual level alone is not refused
+    assert cache.position.tolist() == [0]
+    assert torch.equal(plain, dilated_attention(q, k, v, **branches))
+
+    def attention(q):
+        return dilated_attention(q, k, v, **branches)
+
+    refusal = re.escape("nor batched gradients (torch.autograd.functional.jacobian(vectorize=True)")
+    with pytest.raises(RuntimeError, match=refusal):
+        torch.autograd.functional.jacobian(attention, q, vectorize=True)
+    leaf = q.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=refusal):
+        torch.autograd.grad(attention(leaf), leaf, torch.randn(3, *q.shape, dtype=q.dtype), is_grads_batched=True)
+    jacobian = torch.autograd.functional.jacobian(attention, q)
+    expected = torch.autograd.functional.jacobian(lambda q: reference_dilated_attention(q, k, v, **branches)[0], q)
+    assert max_relative_error([jacobian], [expected]) <= 1e-10

@@ -107,12 +107,13 @@ def dilated_attention(
     its dtype on their device first, as SDPA's are (float64 is not cast).
 
     NaN in a query, or in a key a query attends to, gives NaN in that query's
-    output and LSE. Under a ``torch.func`` transform (``vmap``, ``grad``, ...) it
+    output and LSE. Under a ``torch.func`` transform (``vmap``, ``grad``, ...) or with
+    forward-mode tangents (``torch.autograd.forward_ad``) it
     raises ``RuntimeError`` before any work; ``torch.compile`` works (a call with a
     ``process_group`` runs eagerly inside the compiled code: a graph break).
     """
 
-    validation.refuse_torch_func()
+    validation.refuse_torch_func(q, k, v)
     q, k, v = validation.autocast_inputs(q, k, v)  # as SDPA: computed in autocast's dtype under it
 
     def validate():

@@ -659,7 +659,7 @@ def _attend_group(
     padding = None if mask is None or bool(mask[:, drop:].all()) else ~mask
     if keys_finite and not options["dropout_p"]:
         # The options were checked by register(), the keys' reach and the mask by the caller.
-        validation.refuse_torch_func()
+        validation.refuse_torch_func(q, k, v)
         validation.check_qkv(q, k, v, "bhnd")
         scale = validation.check_scale(options["softmax_scale"], q.shape[-1])
         call = validation.Attention(

@@ -449,7 +449,7 @@ class DilatedKVCache(CacheSettings):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The causal dilated attention output ``(B, L, H, D)`` of the next ``L``
         positions of every sequence, given their ``q, k, v`` ``(B, L, H, D)``."""
-        validation.refuse_torch_func()
+        validation.refuse_torch_func(q, k, v)
         if not self._well_formed(q, k, v):
             self._check_inputs(q, k, v)  # raises, saying what is wrong
         if self._rows is not None:  # into the rows' order

@@ -139,7 +139,7 @@ class StaticKVCache(CacheSettings):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The causal dilated attention output ``(B, L, H, D)`` of the next ``L <=
         max_chunk`` positions of every sequence, given their ``q, k, v`` ``(B, L, H, D)``."""
-        validation.refuse_torch_func()  # its rings are written in place, which no transform follows
+        validation.refuse_torch_func(q, k, v)  # its rings are written in place, which no transform follows
         if not self._well_formed(q, k, v) or q.shape[1] > self.max_chunk:
             self._check_inputs(q, k, v, self.max_chunk)  # raises, saying what is wrong
         batch, heads, dim = self.shape

@@ -35,7 +35,7 @@ from .finite import known_empty
 from .kernels import Kernel, accumulator
 from .plan import Block, FusedPlan, Rows, key_heads
 from .strides import contiguous_last_dim
-from .validation import TORCH_FUNC_REFUSAL
+from .validation import TORCH_FUNC_REFUSAL, gradients_are_batched
 
 
 @dataclass(frozen=True)
@@ -498,7 +498,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        if torch.is_grad_enabled() and torch._C._are_functorch_transforms_active():
+        if gradients_are_batched(grad_out, grad_lse):
             raise RuntimeError(TORCH_FUNC_REFUSAL)
         if torch.is_grad_enabled():
             raise RuntimeError(

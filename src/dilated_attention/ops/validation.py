@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad
 
 from .plan import HEAD_OFFSETS, MODES, uncached_when_compiling, window_start_needed
 
@@ -203,17 +204,45 @@ def kernel_scale(scale: float, dtype: torch.dtype) -> float:
 
 
 TORCH_FUNC_REFUSAL = (
-    "dilated_attention does not support torch.func transforms (grad, vjp, vmap, ...): use torch.autograd.grad "
-    "or .backward() for gradients, and a batch dimension (or a loop) instead of vmap"
+    "dilated_attention does not support torch.func transforms (grad, vjp, vmap, ...), nor batched gradients "
+    "(torch.autograd.functional.jacobian(vectorize=True), torch.autograd.grad(is_grads_batched=True)): use "
+    "torch.autograd.grad or .backward() for gradients, jacobian with vectorize=False, and a batch dimension (or a "
+    "loop) instead of vmap"
+)
+
+FORWARD_AD_REFUSAL = (
+    "dilated_attention has no forward-mode AD (torch.autograd.forward_ad), and its inputs carry tangents: use "
+    "reverse mode (torch.autograd.grad, .backward(), torch.autograd.functional.jacobian with vectorize=False)"
 )
 
 
-def refuse_torch_func() -> None:
-    """A ``RuntimeError`` under a ``torch.func`` transform (``vmap``, ``grad``, ...),
-    raised before any work: the library reads tensor values to plan and to skip work,
-    which a transform cannot follow. ``torch.compile`` is not refused."""
-    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+def refuse_torch_func(*tensors: torch.Tensor) -> None:
+    """A ``RuntimeError`` under a ``torch.func`` transform (``vmap``, ``grad``, ...), or
+    where one of ``tensors`` carries a forward-mode tangent, raised before any work: the
+    library reads tensor values to plan and to skip work, which a transform cannot
+    follow, and its fused kernels have no forward-mode derivative. ``torch.compile`` is
+    not refused."""
+    if torch.compiler.is_compiling():
+        return
+    if torch._C._are_functorch_transforms_active():
         raise RuntimeError(TORCH_FUNC_REFUSAL)
+    # -1 outside torch.autograd.forward_ad.dual_level(): one int read on every call
+    if getattr(forward_ad, "_current_level", 0) >= 0 and any(
+        forward_ad.unpack_dual(t).tangent is not None for t in tensors
+    ):
+        raise RuntimeError(FORWARD_AD_REFUSAL)
+
+
+def gradients_are_batched(*grads: torch.Tensor | None) -> bool:
+    """Whether a backward runs under ``vmap``: ``torch.func`` (e.g. ``jacrev``), or the
+    older batching of ``torch.autograd.grad(is_grads_batched=True)`` and ``jacobian(
+    vectorize=True)``, whose gradients are batched tensors of their own kind."""
+    if torch.compiler.is_compiling():  # tracing a backward: the transforms of the trace, under grad mode only
+        return torch.is_grad_enabled() and torch._C._are_functorch_transforms_active()
+    if torch._C._are_functorch_transforms_active():
+        return True
+    legacy = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+    return legacy is not None and any(g is not None and legacy(g) for g in grads)
 
 
 def check_flag(value, name: str) -> bool:
