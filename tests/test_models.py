@@ -410,3 +410,53 @@ def test_streamed_tokens_are_ordinary_tensors():
 def test_model_arguments_are_named_in_their_refusals(call, error, fragment):
     with pytest.raises(error, match=fragment):
         call(LongNetLM(small_config()))
+
+
+def test_loading_ties_the_head_again_after_assign_and_to_empty():
+    """``load_state_dict(..., assign=True)`` and ``to_empty`` (after building on the meta
+    device) give the head its own matrix; loading ties it to the embedding again, so
+    training updates one matrix, as in a model built plainly."""
+    torch.manual_seed(7)
+    source = LongNetLM(small_config())
+    count = source.num_parameters()
+    assigned = LongNetLM(small_config())
+    assigned.load_state_dict(source.state_dict(), assign=True)
+    with torch.device("meta"):
+        empty = LongNetLM(small_config())
+    empty.to_empty(device="cpu")
+    assert empty.head.weight is not empty.embedding.weight  # PyTorch's to_empty unties
+    empty.load_state_dict(source.state_dict())
+    tokens = torch.randint(0, 37, (2, 9))
+    for model in (assigned, empty):
+        assert model.head.weight is model.embedding.weight and model.num_parameters() == count
+        assert torch.equal(model(tokens), source(tokens))
+    untied = LongNetLM(small_config(tie_embeddings=False))
+    untied.tie_weights()  # nothing without tie_embeddings
+    assert untied.head.weight is not untied.embedding.weight
+
+
+def test_a_refused_checkpoint_changes_no_weight():
+    """The layers' configurations are checked before any tensor loads (the embedding
+    loaded before the first layer's branches were read)."""
+    source = LongNetLM(small_config(segment_lengths=(4, 8, 32)))
+    target = LongNetLM(small_config())
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(
+        ValueError, match=re.escape("segment_lengths=[4, 8, 32] into one with segment_lengths=[4, 8, 16]")
+    ):
+        target.load_state_dict(source.state_dict())
+    assert all(torch.equal(t, before[name]) for name, t in target.state_dict().items() if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:torch.quantize_per_tensor:UserWarning")
+def test_a_dynamically_quantized_model_generates():
+    quantize = getattr(getattr(torch.ao, "quantization", None), "quantize_dynamic", None)
+    if quantize is None:
+        pytest.skip("this torch has no torch.ao.quantization.quantize_dynamic")
+    torch.manual_seed(8)
+    model = LongNetLM(small_config()).eval()
+    quantized = quantize(model, {torch.nn.Linear}, dtype=torch.qint8)
+    prompt = torch.randint(0, 37, (2, 9))
+    out = quantized.generate(prompt, 6, temperature=0)
+    with torch.no_grad():
+        assert torch.equal(out[:, 9:], quantized(out[:, :-1]).argmax(-1)[:, 8:])  # greedy: its own full forwards

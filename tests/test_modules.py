@@ -241,15 +241,25 @@ def test_state_dict_round_trip():
     ],
 )
 def test_state_dict_of_another_configuration_is_refused(change, fragment):
-    """Same parameter shapes, different computation: loading must fail, not succeed silently."""
+    """Same parameter shapes, different computation: loading must fail, not succeed
+    silently, and before any weight loads (the projections load before the inner
+    attention's configuration would be read), inside another module too."""
     config = dict(embed_dim=32, num_heads=4, segment_lengths=SEGS, dilation_rates=RATES)
     source = MultiheadDilatedAttention(**config)
     buffer = io.BytesIO()
     torch.save(source.state_dict(), buffer)
     buffer.seek(0)
+    saved = torch.load(buffer)
     target = MultiheadDilatedAttention(**{**config, **change})
-    with pytest.raises(ValueError, match=re.escape(fragment)):
-        target.load_state_dict(torch.load(buffer))
+    outer, outer_source = (
+        torch.nn.Sequential(torch.nn.Identity(), target),
+        torch.nn.Sequential(torch.nn.Identity(), source),
+    )
+    before = [p.clone() for p in target.parameters()]
+    for module, state in ((target, saved), (outer, outer_source.state_dict())):
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            module.load_state_dict(state)
+        assert all(torch.equal(p, b) for p, b in zip(target.parameters(), before, strict=True))
 
 
 def test_sequence_first_inputs_with_batch_first_false():
@@ -310,3 +320,39 @@ def test_state_dicts_saved_before_head_offsets_existed_load_as_interleaved():
     module.load_state_dict(state)
     with pytest.raises(ValueError, match="head_offsets='interleaved' into one with head_offsets='contiguous'"):
         DilatedAttention(SEGS, RATES, head_offsets="contiguous").load_state_dict(state)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:torch.quantize_per_tensor:UserWarning")
+def test_dynamically_quantized_projections_run_with_and_without_a_cache():
+    """``torch.ao.quantization.quantize_dynamic`` makes each projection's ``weight`` a
+    method (int8 values): the module takes float32 inputs as before, whole or through
+    its cache (each call quantizes its own activations, so chunks round differently)."""
+    quantize = getattr(getattr(torch.ao, "quantization", None), "quantize_dynamic", None)
+    if quantize is None:
+        pytest.skip("this torch has no torch.ao.quantization.quantize_dynamic")
+    torch.manual_seed(5)
+    mha = MultiheadDilatedAttention(32, 4, SEGS, RATES).eval()
+    quantized = quantize(mha, {torch.nn.Linear}, dtype=torch.qint8)
+    x = torch.randn(2, 37, 32)
+    with torch.no_grad():
+        exact = mha(x, is_causal=True)[0]
+        assert max_relative_error(quantized(x, is_causal=True)[0], exact) < 0.1  # int8 rounding
+        cache = quantized.new_cache(2)
+        assert cache.dtype == torch.float32
+        chunks = [quantized(part, is_causal=True, cache=cache)[0] for part in x.split([20, 1, 16], dim=1)]
+    assert max_relative_error(torch.cat(chunks, 1), exact) < 0.1
+
+
+def test_a_cache_of_another_dtype_than_the_projections_is_named():
+    """A cache made outside ``torch.autocast`` and used inside it (or the reverse): the
+    module says which dtype each has and how to make the cache."""
+    mha = MultiheadDilatedAttention(16, 2, [4], [1]).eval()
+    x = torch.randn(1, 3, 16)
+    outside = mha.new_cache(1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = mha.new_cache(1)
+        with pytest.raises(ValueError, match=re.escape("projections give torch.autocast's torch.bfloat16: make")):
+            mha(x, is_causal=True, cache=outside)
+    with pytest.raises(ValueError, match=re.escape("or pass dtype=torch.float32 to new_cache")):
+        mha(x, is_causal=True, cache=inside)
+    assert outside.position.tolist() == [0] and inside.position.tolist() == [0]

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..nn.cache import DilatedKVCache, check_batch
-from ..nn.modules import MultiheadDilatedAttention, sequence_positions
+from ..nn.modules import MultiheadDilatedAttention, check_saved_configs, sequence_positions
 from ..nn.rotary import RotaryEmbedding, check_rotary_positions
 from ..nn.static_cache import StaticKVCache
 from ..ops import validation
@@ -120,9 +120,13 @@ class LongNetCache:
             layer.reset(start)
 
 
-def _refuse_untied_weights(state_dict, prefix, *_) -> None:
-    """A ``ValueError`` for a ``state_dict`` whose embedding and LM head differ, loaded
-    into a model that ties them (one matrix: the last loaded would silently win)."""
+def _check_state_dict(model: LongNetLM, state_dict, prefix: str, *_) -> None:
+    """Before any tensor of ``state_dict`` loads into ``model``: its layers'
+    configurations, and, for a model that ties its embedding and LM head (one matrix:
+    the last loaded would silently win), a ``ValueError`` where the two differ."""
+    check_saved_configs(model, state_dict, prefix)
+    if not model.config.tie_embeddings:
+        return
     embedding, head = state_dict.get(prefix + "embedding.weight"), state_dict.get(prefix + "head.weight")
     if embedding is None or head is None or embedding is head:
         return
@@ -132,6 +136,10 @@ def _refuse_untied_weights(state_dict, prefix, *_) -> None:
             "with tie_embeddings=False) into one with tie_embeddings=True: build the model with the "
             "checkpoint's configuration"
         )
+
+
+def _tie_after_loading(model: LongNetLM, _incompatible_keys) -> None:
+    model.tie_weights()  # a module-level function: a pickled model keeps its hooks
 
 
 class LongNetLM(nn.Module):
@@ -161,10 +169,19 @@ class LongNetLM(nn.Module):
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
         if config.tie_embeddings:
-            self.head.weight = self.embedding.weight
-            self._register_load_state_dict_pre_hook(_refuse_untied_weights)
+            self.tie_weights()
         else:
             nn.init.normal_(self.head.weight, std=config.dim**-0.5)
+        self._register_load_state_dict_pre_hook(_check_state_dict, with_module=True)
+        self.register_load_state_dict_post_hook(_tie_after_loading)
+
+    def tie_weights(self) -> None:
+        """With ``config.tie_embeddings``, make the LM head use the embedding's matrix
+        (again): ``to_empty`` (after building on the meta device) and
+        ``load_state_dict(..., assign=True)`` give each its own; ``load_state_dict``
+        ties them again itself. Without it, nothing."""
+        if self.config.tie_embeddings and self.head.weight is not self.embedding.weight:
+            self.head.weight = self.embedding.weight
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -30,6 +30,17 @@ def sequence_positions(length: int, device, cache=None, process_group=None) -> t
     return steps
 
 
+def check_saved_configs(module: nn.Module, state_dict, prefix: str, *_) -> None:
+    """The configurations a ``state_dict`` records for the library's layers in ``module``
+    (their extra states: branches, heads, rotary base), checked before any tensor of it
+    loads: a refused checkpoint leaves every weight as it was (a load_state_dict pre-hook)."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, (DilatedAttention, MultiheadDilatedAttention, RotaryEmbedding)):
+            state = state_dict.get(f"{prefix}{name}{'.' if name else ''}_extra_state")
+            if state is not None:
+                layer.set_extra_state(state)  # a check only: it raises or does nothing
+
+
 class DilatedAttention(nn.Module):
     """Dilated attention over ``(B, N, H, D)`` tensors (``layout="bhnd"``: ``(B, H, N, D)``),
     with no parameters.
@@ -194,6 +205,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if sub_layernorm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.reset_parameters()
+        self._register_load_state_dict_pre_hook(check_saved_configs, with_module=True)
 
     def reset_parameters(self) -> None:
         """MAGNETO initialisation (see the class docstring)."""
@@ -234,9 +246,9 @@ class MultiheadDilatedAttention(nn.Module):
         padding. ``dtype`` defaults to that of the projections' output (the autocast
         dtype inside ``torch.autocast``, else the parameters'), ``device`` to the
         parameters'."""
-        weight = self.q_proj.weight
+        parameters_device, parameters_dtype = self._projection_input()
         if dtype is None:
-            dtype = validation.autocast_dtype(weight.device.type)
+            dtype = validation.autocast_dtype(parameters_device.type)
         attention = self.attention
         kind: Any = StaticKVCache if validation.check_flag(static, "static") else DilatedKVCache
         validation.check_positive_int(max_chunk, "max_chunk")  # checked whether or not a static cache takes it
@@ -251,8 +263,8 @@ class MultiheadDilatedAttention(nn.Module):
             head_offsets=attention.head_offsets,
             softmax_scale=attention.softmax_scale,
             start=start,
-            dtype=dtype or weight.dtype,
-            device=weight.device if device is None else device,
+            dtype=dtype or parameters_dtype,
+            device=parameters_device if device is None else device,
             **extra,
         )
 
@@ -293,16 +305,33 @@ class MultiheadDilatedAttention(nn.Module):
                 f"the cache was built for (heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets, "
                 f"softmax_scale) = {theirs}, this module has {mine}: make it with this module's new_cache"
             )
+        device, dtype = self._projection_input()
+        autocast = validation.autocast_dtype(device.type)
+        if cache.dtype != (autocast or dtype):
+            made = f"torch.autocast's {autocast}" if autocast else f"{dtype}, the parameters' dtype"
+            raise ValueError(
+                f"the cache holds {cache.dtype} keys and values, but this call's projections give {made}: make "
+                f"the cache with new_cache where it is used (inside the same torch.autocast, or outside any), or "
+                f"pass dtype={autocast or dtype} to new_cache"
+            )
+
+    def _projection_input(self) -> tuple[torch.device, torch.dtype]:
+        """The device and dtype the projections take: their weight's, or float32 for a
+        dynamically quantized one (``torch.ao.quantization.quantize_dynamic``), whose
+        ``weight`` is a method returning int8 values."""
+        weight = self.q_proj.weight
+        weight = weight() if callable(weight) else weight
+        return weight.device, torch.float32 if weight.is_quantized else weight.dtype
 
     def _check_like_parameters(self, *inputs: torch.Tensor) -> None:
         """A ``ValueError`` unless ``query, key, value`` are on the parameters' device and,
         outside ``torch.autocast``, of their dtype (the projections' own error names neither)."""
-        weight = self.q_proj.weight
-        autocast = validation.autocast_dtype(weight.device.type) is not None
+        device, dtype = self._projection_input()
+        autocast = validation.autocast_dtype(device.type) is not None
         for name, t in zip(("query", "key", "value"), inputs, strict=True):
-            if t.device != weight.device or (not autocast and t.dtype != weight.dtype):
+            if t.device != device or (not autocast and t.dtype != dtype):
                 raise ValueError(
-                    f"{name} must be {weight.dtype} on {weight.device} like the module's parameters, got {t.dtype} "
+                    f"{name} must be {dtype} on {device} like the module's parameters, got {t.dtype} "
                     f"on {t.device}: move the input (or the module, with .to()), or run under torch.autocast"
                 )
 
