@@ -30,6 +30,9 @@ from triton.compiler import ASTSource
 
 from dilated_attention.ops import ring_decode as rd
 from dilated_attention.ops import triton_kernels as tk
+from dilated_attention.ops.fused import MAX_HEAD_DIM
+from dilated_attention.tools.arguments import positive_ints
+from dilated_attention.utils.files import atomic_write, check_output_file
 
 # Pointer arguments by name: their element type (the input dtype for "{dtype}").
 POINTERS = {
@@ -145,17 +148,26 @@ def resources(cubin: bytes) -> dict:
     }
 
 
+# The NVIDIA compute capabilities the fused kernels target (bfloat16 tiles: Ampere and later).
+CAPABILITIES = (80, 86, 89, 90)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--capability",
         type=int,
         nargs="+",
+        choices=CAPABILITIES,
         default=[80, 90],
         help="compute capabilities to compile for (default: 80 90)",
     )
     parser.add_argument(
-        "--head-dims", type=int, nargs="+", default=[64, 128], help="head dims to compile (default: 64 128)"
+        "--head-dims",
+        type=positive_ints,
+        nargs="+",
+        default=[64, 128],
+        help=f"head dims to compile, 1 to {MAX_HEAD_DIM} (default: 64 128)",
     )
     parser.add_argument(
         "--dtypes", nargs="+", choices=sorted(DTYPES), default=["bfloat16"], help="input dtypes (default: bfloat16)"
@@ -172,6 +184,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", help="JSON file to write the results to (default: none)")
     args = parser.parse_args(argv)
+    if max(args.head_dims) > MAX_HEAD_DIM:
+        parser.error(f"--head-dims must be at most {MAX_HEAD_DIM} (the kernels' limit), got {max(args.head_dims)}")
+    if args.out:
+        try:
+            check_output_file(args.out, "--out")
+        except ValueError as exc:
+            parser.error(str(exc))
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: unset TRITON_INTERPRET: the interpreter's kernels do not compile", file=sys.stderr)
         return 2
@@ -200,7 +219,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
+        with atomic_write(args.out) as f:
             json.dump({"triton": triton.__version__, "variants": rows}, f, indent=1)
     print(f"{len(rows) - failures} of {len(rows)} variants compiled (Triton {triton.__version__})")
     return 1 if failures else 0

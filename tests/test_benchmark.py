@@ -710,3 +710,35 @@ def test_a_gpu_name_becomes_a_file_name(monkeypatch):
     assert benchmark.machine_slug(torch.device("cuda")) == "AMD-Instinct-MI250X-MI250"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert benchmark.machine_slug(torch.device("cuda")) == "NVIDIA-H200"  # as gpu.sh names its files
+
+
+def test_a_name_that_fits_the_file_system_is_written_and_a_longer_one_refused_first(tmp_path, capsys):
+    """A file name up to the file system's limit is written (its temporary's name,
+    ``.NAME.<hex>.tmp``, is cut short to fit); a longer one is refused before any work,
+    with nothing made."""
+    longest = os.pathconf(tmp_path, "PC_NAME_MAX")
+    fits = "a" * (longest - len(".json"))
+    with atomic_write(str(tmp_path / f"{fits}.json")) as f:
+        f.write("{}")
+    assert os.listdir(tmp_path) == [f"{fits}.json"]
+    out_dir = tmp_path / "out"
+    assert main([*TINY_BENCH, "--out-dir", str(out_dir), "--name", fits + "a"]) == 2
+    assert not out_dir.exists()
+    assert f"is {longest + 1} bytes, longer than the file system takes ({longest}): pick a shorter name" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_plot_that_is_not_redrawn_is_not_left_beside_new_numbers(tmp_path, monkeypatch):
+    """The earlier run's plot goes before the new JSON and table are written: a run
+    interrupted while it draws leaves no plot rather than one of other numbers."""
+    stem = tmp_path / "smoke"
+    stem.with_suffix(".png").write_text("an earlier run's plot")
+
+    def interrupted(*args, **kwargs):
+        assert not stem.with_suffix(".png").exists() and stem.with_suffix(".json").exists()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(benchmark, "plot", interrupted)
+    assert main([*TINY_BENCH, "--out-dir", str(tmp_path), "--name", "smoke"]) == 130  # Ctrl-C's status
+    assert sorted(os.listdir(tmp_path)) == ["smoke.json", "smoke.txt"]

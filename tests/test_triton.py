@@ -469,3 +469,26 @@ def test_compiled_calls_take_the_engine_path():
     forced = torch.compile(lambda q: dilated_attention(q, q, q, [4], [1], kernel="triton"), backend="eager")
     with pytest.raises(Exception, match=r"under torch\.compile the calls run PyTorch's operations"):
         forced(q)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fragment"),
+    [
+        (["--capability", "0"], "invalid choice: 0 (choose from 80, 86, 89, 90)"),
+        (["--head-dims", "-5"], "--head-dims: must be >= 1, got -5"),
+        (["--head-dims", "512"], "--head-dims must be at most 256"),
+        (["--out", os.curdir], "is a folder: name a file"),
+    ],
+)
+def test_the_compile_report_refuses_bad_options_before_compiling(arguments, fragment):
+    """A capability the compiler does not know crashed it (LLVM's abort), a negative
+    head dim was reported as compiled, and a folder as --out failed after the work."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "triton_compile.py")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, script, "--quick", *arguments], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 2 and fragment in result.stderr and "compiled" not in result.stdout

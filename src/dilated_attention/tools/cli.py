@@ -279,13 +279,15 @@ def _save_results(args, kind: str, payload: dict, table: str, plot) -> int:
     stem = _results_stem(args, kind, out_dir)
     # the options as parsed, so that the run can be repeated from its file
     arguments = {name: value for name, value in vars(args).items() if name != "run"}
+    earlier_plot = os.path.isfile(stem + ".png")
+    if earlier_plot:  # removed first: it would pass for this run's, with --no-plot or if drawing is interrupted
+        os.remove(stem + ".png")
     write_results(stem, {**payload, "arguments": arguments}, table)
     files = f"{os.path.basename(stem)}.json, .txt"
     if not args.no_plot:
         plot(stem + ".png")
         files += ", .png"
-    elif os.path.isfile(stem + ".png"):  # an earlier run's plot would pass for this run's
-        os.remove(stem + ".png")
+    elif earlier_plot:
         files += " (the earlier run's .png removed)"
     print(table)
     print(f"results in {os.path.abspath(out_dir)}: {files}")

@@ -17,11 +17,28 @@ TEMPORARY_SUFFIX = ".tmp"
 
 def temporary_path(path: str) -> str:
     """A new name beside ``path`` for a file that becomes ``path`` once written whole:
-    ``.NAME.<random hex>.tmp``."""
+    ``.NAME.<random hex>.tmp``, with ``NAME`` cut short where the whole would pass the
+    file system's limit on a name (a ``path`` that fits must not fail for its temporary's)."""
     folder, name = os.path.split(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
-    return os.path.join(folder, f".{name}.{uuid.uuid4().hex}{TEMPORARY_SUFFIX}")
+    tail = f".{uuid.uuid4().hex}{TEMPORARY_SUFFIX}"
+    room = name_max(folder) - len(os.fsencode(tail)) - 1
+    while len(os.fsencode(name)) > room:
+        name = name[:-1]
+    return os.path.join(folder, f".{name}{tail}")
+
+
+def name_max(folder: str) -> int:
+    """The longest file name, in bytes, that the file system of ``folder`` (or of its
+    nearest existing parent) takes; 255 where it does not say."""
+    existing = os.path.abspath(folder)
+    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 @contextlib.contextmanager
@@ -96,7 +113,14 @@ def check_output_file(path: str, option: str) -> None:
         raise ValueError(f"{option} {path} is a folder: name a file, such as {os.path.join(path, 'out.png')}")
     if os.path.lexists(path) and not (os.path.isfile(path) or os.path.islink(path)):
         raise ValueError(f"{option} {path} is not a regular file (a device or a pipe): name a file")
-    _check_writable(os.path.dirname(os.path.abspath(path)), f"{option} {path}")
+    folder, name = os.path.split(os.path.abspath(path))
+    longest = name_max(folder)
+    if len(os.fsencode(name)) > longest:
+        raise ValueError(
+            f"{option}: the file name {name!r} is {len(os.fsencode(name))} bytes, longer than the file system "
+            f"takes ({longest}): pick a shorter name"
+        )
+    _check_writable(folder, f"{option} {path}")
 
 
 def check_output_folder(path: str, option: str) -> None:
