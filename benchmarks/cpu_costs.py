@@ -307,6 +307,7 @@ def main() -> int:
     stem = os.path.join(HERE, "results", f"cpu-costs-cpu-float32-{slug}")
     payload = {
         "machine": machine,
+        "dtype": "float32",
         "command": " ".join(sys.argv),
         "fresh_memory": memory,
         "kernel_calls": calls,

@@ -133,7 +133,12 @@ def main() -> int:
             f"added {row['peak_added_mib']:.0f} MiB (q, k, v: {row['qkv_mib']:.0f} MiB)"
         )
     stem = os.path.join(HERE, "results", "edge-costs-cpu")
-    payload = {"machine": machine_info(torch.device("cpu")), "tiny_segments": tiny, "dropout": dropout}
+    payload = {
+        "machine": machine_info(torch.device("cpu")),
+        "dtype": "float32",
+        "tiny_segments": tiny,
+        "dropout": dropout,
+    }
     write_results(stem, payload, "\n".join(lines))
     print(f"wrote {stem}.json and {stem}.txt")
     return 0

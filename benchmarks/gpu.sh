@@ -10,15 +10,24 @@
 # graph, one sequence and batches of 8). Everything goes into OUTDIR. Naming steps runs
 # only those (check, tests, bench, bench-1m, decode), in that order: all five may take
 # up to about 15 minutes, more than a 15-minute lease holds with its start and a rerun.
+# Every step runs even if one before it failed; the exit status is 1 if any failed, 2
+# for an unknown step or a machine without a CUDA device (then nothing is written).
 #
 #     PYTHONPATH=src bash benchmarks/gpu.sh OUTDIR [STEP...]
 set -u
+steps="check tests bench bench-1m decode"
 out=${1:?usage: bash benchmarks/gpu.sh OUTDIR [check|tests|bench|bench-1m|decode ...]}
 shift
-wanted=" ${*:-check tests bench bench-1m decode} "
-mkdir -p "$out"
+for name in "$@"; do
+    [[ " $steps " == *" $name "* ]] || { echo "error: unknown step $name: the steps are $steps" >&2; exit 2; }
+done
+wanted=" ${*:-$steps} "
 export PYTHONPATH=${PYTHONPATH:-src}
-card=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
+card=$(python3 -c "import torch; assert torch.cuda.is_available(); print(torch.cuda.get_device_name().replace(' ', '-'))" 2>/dev/null) || {
+    echo "error: no CUDA device (torch.cuda.is_available() is False, or torch failed to import): run this on the GPU machine" >&2
+    exit 2
+}
+mkdir -p "$out"
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
@@ -32,9 +41,12 @@ step() {  # name, seconds, command...
     local start=$SECONDS
     # SIGINT at the limit: pytest then still reports the failures it has seen.
     timeout -s INT -k 15 "$seconds" "$@" > "$out/$name-$card.txt" 2>&1
-    echo "$name: exit $? in $((SECONDS - start)) s"
+    local status=$?
+    echo "$name: exit $status in $((SECONDS - start)) s"
     tail -n 6 "$out/$name-$card.txt"
+    [[ $status == 0 ]] || failed=1
 }
+failed=0
 
 export DILATED_ATTENTION_TRITON_TUNE=0
 step check 120 python3 -m dilated_attention check --device cuda --dtype bfloat16 float16 --kernel triton
@@ -49,3 +61,4 @@ step bench-1m 90 python3 -m dilated_attention bench --device cuda --dtype bfloat
 step decode 240 python3 -m dilated_attention decode-bench --device cuda --dtype bfloat16 --heads 16 --head-dim 128 \
     --positions 4096 65536 1048576 --steps 50 --dense-steps 10 --no-plot --out-dir "$out" \
     --name "decode-cuda-bfloat16-$card"
+exit $failed

@@ -127,6 +127,7 @@ def main() -> int:
         stem,
         {
             "machine": machine,
+            "dtype": "float32",
             "task": args.task,
             "minutes": args.minutes,
             "context": args.context,

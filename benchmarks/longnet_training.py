@@ -239,7 +239,7 @@ def main() -> int:
         plot = plot_quality
     print(table)
     stem = os.path.join(HERE, "results", f"longnet-{args.part}-{args.device}")
-    payload = {"machine": machine_info(device), "command": " ".join(sys.argv), **payload}
+    payload = {"machine": machine_info(device), "dtype": "float32", "command": " ".join(sys.argv), **payload}
     write_results(stem, payload, table)
     plot(payload, stem + ".png", table.splitlines()[0])
     print(f"wrote {stem}.json, .txt and .png")

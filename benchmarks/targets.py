@@ -110,7 +110,9 @@ def main() -> int:
         name: [vars(r) for r in res.rows] for name, res in (("speed", speed), ("memory", memory), ("scaling", scaling))
     }
     write_results(
-        stem, {"machine": speed.machine, "checks": report, "runs": runs, "forward_by_op": by_op}, "\n".join(lines)
+        stem,
+        {"machine": speed.machine, "dtype": "float32", "checks": report, "runs": runs, "forward_by_op": by_op},
+        "\n".join(lines),
     )
     print(f"wrote {stem}.json and {stem}.txt")
     return 0

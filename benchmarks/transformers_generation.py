@@ -233,6 +233,7 @@ def main() -> None:
 
     payload = {
         "machine": machine_info(torch.device("cpu")),
+        "dtype": "float32",
         "transformers": transformers.__version__,
         "branches": BRANCHES,
         "results": rows,

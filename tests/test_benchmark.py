@@ -293,11 +293,12 @@ def test_a_failed_write_names_the_file_asked_for_not_its_temporary(tmp_path, mon
         with pytest.raises(Refusal) as raised, atomic_write(str(path)) as f:
             f.write("new")
     assert raised.value.filename is None and os.listdir(tmp_path) == ["out.json"]
-    # a name that fits, whose temporary's (longer) does not: the error names the temporary
-    long_name = tmp_path / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 8))
+    # a name longer than the file system takes (its temporary's is cut to fit): the error names it
+    long_name = tmp_path / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1))
     with pytest.raises(OSError, match="too long") as raised, atomic_write(str(long_name)):
         pass
-    assert raised.value.errno == errno.ENAMETOOLONG and raised.value.filename.endswith(".tmp")
+    assert raised.value.errno == errno.ENAMETOOLONG and raised.value.filename == str(long_name)
+    assert os.listdir(tmp_path) == ["out.json"]
     with pytest.raises(OSError, match=r"^disk full$") as raised, atomic_write(str(path)) as f:  # noqa: PT012
         f.write("new")
         raise OSError("disk full")
@@ -635,6 +636,8 @@ def test_decode_bench_spreads_its_timed_steps_over_a_whole_cycle(monkeypatch):
     assert db.span_of(cfg, 1024) == 128 and db.timed_offsets(cfg, 1024) == [0, 33, 66, 99]
     assert db.span_of(cfg, 100) == 100 and db.timed_offsets(cfg, 100) == [0, 25, 50, 75]  # phases 0, 1, 2, 3
     assert db.span_of(cfg, 3) == 64 and db.timed_offsets(dataclasses.replace(cfg, steps=1000), 3) == list(range(64))
+    short = dataclasses.replace(cfg, segment_lengths=(48,), dilation_rates=(1,))  # a cycle of 48: two make 96
+    assert [db.span_of(short, p) for p in (10, 48, 5000)] == [64, 96, 96]
     for rates, steps, position in (((3, 4), 7, 30000), ((1, 2, 4), 40, 1024), ((5,), 16, 77), ((2, 3), 64, 1)):
         spread = dataclasses.replace(cfg, dilation_rates=rates, steps=steps)
         offsets, span, phases = db.timed_offsets(spread, position), db.span_of(spread, position), math.lcm(*rates)
@@ -742,3 +745,16 @@ def test_a_plot_that_is_not_redrawn_is_not_left_beside_new_numbers(tmp_path, mon
     monkeypatch.setattr(benchmark, "plot", interrupted)
     assert main([*TINY_BENCH, "--out-dir", str(tmp_path), "--name", "smoke"]) == 130  # Ctrl-C's status
     assert sorted(os.listdir(tmp_path)) == ["smoke.json", "smoke.txt"]
+
+
+def test_the_gpu_script_refuses_unknown_steps_and_a_machine_without_cuda(tmp_path):
+    """Before anything is written: no files named after an empty card's name, and a
+    status that says so (it exited 0 whatever its steps did)."""
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu.sh")
+    out = tmp_path / "out"
+    unknown = subprocess.run(["bash", script, str(out), "chek"], capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2 and "unknown step chek: the steps are check tests" in unknown.stderr
+    if torch.cuda.is_available():
+        return
+    result = subprocess.run(["bash", script, str(out), "check"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "no CUDA device" in result.stderr and not out.exists()

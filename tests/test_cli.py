@@ -356,3 +356,19 @@ def test_failures_of_the_machine_are_one_line_errors(error, code, expected, caps
     assert main(["check"]) == code
     err = capsys.readouterr().err.strip()
     assert err.startswith(expected) and len(err.splitlines()) <= 1 and (expected or not err)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fix"),
+    [
+        (["bench", "--heads", "1", "--impl", "head_groups"], "or leave head_groups out of --impl"),
+        (["pattern", "--heads", "1", "--mode", "head_groups", "--length", "8"], "or --mode mixture"),
+    ],
+)
+def test_head_groups_refusals_name_the_commands_options(tmp_path, capsys, arguments, fix):
+    """The command line has no mode= argument: its refusal names its own options."""
+    branches = ["--segment-lengths", "4", "8", "--dilation-rates", "1", "2"]
+    out = ["--out-dir", str(tmp_path / "out")] if arguments[0] == "bench" else ["--out", str(tmp_path / "p.png")]
+    assert cli.main([*arguments, *branches, *out]) == 2
+    assert f"1 heads < 2 branches; use more --heads, fewer --segment-lengths, {fix}" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []

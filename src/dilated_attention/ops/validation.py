@@ -556,11 +556,13 @@ def causal_from_attn_mask(attn_mask, is_causal, seq_len: int, device, layout: st
     return True
 
 
-def check_head_groups(num_heads: int, num_branches: int) -> None:
+def check_head_groups(
+    num_heads: int, num_branches: int, fix: str = "use more heads, fewer branches, or mode='mixture'"
+) -> None:
+    """A ``ValueError`` (saying ``fix``) unless ``head_groups`` has a head per branch."""
     if num_heads < num_branches:
         raise ValueError(
-            f"mode='head_groups' needs at least one head per branch: {num_heads} heads < "
-            f"{num_branches} branches; use more heads, fewer branches, or mode='mixture'"
+            f"mode='head_groups' needs at least one head per branch: {num_heads} heads < {num_branches} branches; {fix}"
         )
 
 

@@ -102,7 +102,7 @@ def _cmd_pattern(args) -> int:
         )
         return 2
     if args.mode == "head_groups":
-        validation.check_head_groups(args.heads, len(segs))
+        validation.check_head_groups(args.heads, len(segs), PATTERN_HEAD_GROUPS_FIX)
     lines = draw_pattern(
         args.out,
         args.length,
@@ -138,7 +138,7 @@ def _grid_pattern(args, segs, rates) -> int:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
     if args.mode == "head_groups":
-        validation.check_head_groups(heads, len(segs))
+        validation.check_head_groups(heads, len(segs), PATTERN_HEAD_GROUPS_FIX)
     table = draw_grid_pattern(
         args.out,
         height,
@@ -155,6 +155,9 @@ def _grid_pattern(args, segs, rates) -> int:
     print(table)
     print(f"wrote {args.out}")
     return 0
+
+
+PATTERN_HEAD_GROUPS_FIX = "use more --heads, fewer --segment-lengths, or --mode mixture"
 
 
 def _bench_setup(args, kind: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -195,6 +198,10 @@ def _results_stem(args, kind: str, out_dir: str) -> str:
 
 def _cmd_bench(args) -> int:
     segs, rates = _bench_setup(args, "bench")
+    if "head_groups" in args.impl:
+        validation.check_head_groups(
+            args.heads, len(segs), "use more --heads, fewer --segment-lengths, or leave head_groups out of --impl"
+        )
     default_lens = [2**p for p in range(12, 18)] if args.device == "cpu" else [2**p for p in range(12, 21)]
     element = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     longest = max(args.seq_lens or default_lens)

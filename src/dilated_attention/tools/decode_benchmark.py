@@ -284,9 +284,13 @@ def _step_seconds(cache: DilatedKVCache, tokens: Sequence[torch.Tensor], i: int,
 
 def span_of(cfg: DecodeConfig, position: int) -> int:
     """How many positions from ``position`` on both caches are timed over: a whole
-    cycle of segment phases (``lcm(segment_lengths)``, at most :data:`MAX_SPAN`) once
-    ``position`` reaches it, else ``position`` (at least 64)."""
-    return max(64, min(cycle_of(cfg), MAX_SPAN, position))
+    cycle of segment phases (``lcm(segment_lengths)``, at most :data:`MAX_SPAN`; as
+    many whole cycles as make 64 positions where it is shorter) once ``position``
+    reaches it, else ``position`` (at least 64)."""
+    cycle = cycle_of(cfg)
+    if cycle <= position and cycle < 64:
+        return cycle * math.ceil(64 / cycle)  # every phase timed equally often
+    return max(64, min(cycle, MAX_SPAN, position))
 
 
 def timed_offsets(cfg: DecodeConfig, position: int) -> list[int]:
@@ -456,7 +460,8 @@ def format_table(result: DecodeResult) -> str:
         (
             f"ms per token (a step's time over its batch) over a span of positions from the position on: a whole "
             f"cycle of segment phases (lcm(segment_lengths) = {cycle_of(cfg):,}"
-            f"{f', at most {MAX_SPAN:,}' if cycle_of(cfg) > MAX_SPAN else ''}) once the position "
+            f"{f', at most {MAX_SPAN:,}' if cycle_of(cfg) > MAX_SPAN else ''}"
+            f"{'; whole cycles to at least 64 positions' if cycle_of(cfg) < 64 else ''}) once the position "
             f"reaches it, else as many as the position (at least 64); dilated: the mean of up to {cfg.steps} steps "
             f"spread evenly over the span (median of {cfg.rounds} rounds), dense: the median of {cfg.dense_steps} "
             "per round spread over it, the rounds alternating; padded: row b left-padded by b/(B-1) of an eighth "

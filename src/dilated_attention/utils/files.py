@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -74,8 +73,8 @@ def _raise_about(exc: OSError, path: str) -> NoReturn:
     """Raise ``exc``, a failed write of the file that becomes ``path``, as the system's
     error about ``path`` (the name the caller gave, not its temporary's). As it is where
     that would lose something: no error number, a class of its own (not Python's, which
-    the number picks again), or a name too long (the temporary's, which is longer)."""
-    if exc.errno in (None, errno.ENAMETOOLONG) or type(exc).__module__ != "builtins":
+    the number picks again)."""
+    if exc.errno is None or type(exc).__module__ != "builtins":
         raise exc
     raise OSError(exc.errno, exc.strerror, path) from exc  # the class of the number: PermissionError, ...
 
