@@ -320,8 +320,9 @@ class MultiheadDilatedAttention(nn.Module):
         dynamically quantized one (``torch.ao.quantization.quantize_dynamic``), whose
         ``weight`` is a method returning int8 values."""
         weight = self.q_proj.weight
-        weight = weight() if callable(weight) else weight
-        return weight.device, torch.float32 if weight.is_quantized else weight.dtype
+        if callable(weight):  # a dynamically quantized projection takes and gives float32
+            return weight().device, torch.float32
+        return weight.device, weight.dtype
 
     def _check_like_parameters(self, *inputs: torch.Tensor) -> None:
         """A ``ValueError`` unless ``query, key, value`` are on the parameters' device and,
