@@ -228,8 +228,8 @@ def refuse_torch_func(*tensors: torch.Tensor) -> None:
         raise RuntimeError(TORCH_FUNC_REFUSAL)
     # -1 outside torch.autograd.forward_ad.dual_level(): one int read on every call
     if getattr(forward_ad, "_current_level", 0) >= 0 and any(
-        forward_ad.unpack_dual(t).tangent is not None for t in tensors
-    ):
+        isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tensors
+    ):  # a non-tensor is refused by the checks that follow, by name
         raise RuntimeError(FORWARD_AD_REFUSAL)
 
 
