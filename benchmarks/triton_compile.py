@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 from dilated_attention.ops import ring_decode as rd
 from dilated_attention.ops import triton_kernels as tk
 from dilated_attention.ops.fused import MAX_HEAD_DIM
-from dilated_attention.tools.arguments import positive_ints
+from dilated_attention.tools.arguments import number, positive_ints
 from dilated_attention.utils.files import atomic_write, check_output_file
 
 # Pointer arguments by name: their element type (the input dtype for "{dtype}").
@@ -148,19 +148,15 @@ def resources(cubin: bytes) -> dict:
     }
 
 
-# The NVIDIA compute capabilities the fused kernels target (bfloat16 tiles: Ampere and later).
-CAPABILITIES = (80, 86, 89, 90)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--capability",
-        type=int,
+        type=number(int, 80, several=True),
         nargs="+",
-        choices=CAPABILITIES,
         default=[80, 90],
-        help="compute capabilities to compile for (default: 80 90)",
+        help="compute capabilities to compile for, 80 (Ampere, whose bfloat16 tiles the kernels use) and up "
+        "(default: 80 90)",
     )
     parser.add_argument(
         "--head-dims",

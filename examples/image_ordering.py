@@ -33,7 +33,7 @@ from torch import nn
 from dilated_attention import GridAttention, MultiheadDilatedAttention
 from dilated_attention.nn.ordering import ORDERS
 from dilated_attention.tools.benchmark import machine_info, machine_words
-from dilated_attention.utils.files import write_results
+from dilated_attention.utils.files import check_output_file, write_results
 
 SIDE, TILE, NOISE, DIM = 32, 4, 0.25, 64
 
@@ -114,8 +114,14 @@ def main() -> None:
     )
     parser.add_argument("--out-dir", help="also write image-ordering-cpu.txt and .json into this folder")
     args = parser.parse_args()
-    if args.out_dir is not None and not os.path.isdir(args.out_dir):
-        parser.error(f"--out-dir {args.out_dir} is not a folder: create it first")
+    if args.out_dir is not None:
+        if not os.path.isdir(args.out_dir):
+            parser.error(f"--out-dir {args.out_dir} is not a folder: create it first")
+        for extension in (".json", ".txt"):  # before the training, not after it
+            try:
+                check_output_file(os.path.join(args.out_dir, "image-ordering-cpu" + extension), "--out-dir")
+            except ValueError as exc:
+                parser.error(str(exc))
     lines = [f"{'order':<10} {'test accuracy':>14} {'train s':>8}"]
     print(lines[0], flush=True)
     results = []

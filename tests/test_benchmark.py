@@ -758,3 +758,16 @@ def test_the_gpu_script_refuses_unknown_steps_and_a_machine_without_cuda(tmp_pat
         return
     result = subprocess.run(["bash", script, str(out), "check"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "no CUDA device" in result.stderr and not out.exists()
+
+
+def test_a_file_system_with_short_names_gets_a_temporary_without_the_name(tmp_path, monkeypatch):
+    """Where names are shorter than the temporary's random tail, the name is left out
+    (the loop that shortened it never ended); the write itself then says what the
+    system says."""
+    from dilated_attention.utils import files
+
+    monkeypatch.setattr(os, "pathconf", lambda path, name: 30)
+    temporary = files.temporary_path(str(tmp_path / "results.json"))
+    assert os.path.dirname(temporary) == str(tmp_path) and re.fullmatch(
+        r"\.\.[0-9a-f]{32}\.tmp", os.path.basename(temporary)
+    )

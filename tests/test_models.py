@@ -460,3 +460,21 @@ def test_a_dynamically_quantized_model_generates():
     out = quantized.generate(prompt, 6, temperature=0)
     with torch.no_grad():
         assert torch.equal(out[:, 9:], quantized(out[:, :-1]).argmax(-1)[:, 8:])  # greedy: its own full forwards
+
+
+def test_skeleton_loads_and_partial_head_loads_keep_what_was_loaded():
+    """A model built on the meta device takes a meta state_dict with ``assign=True``
+    (its values cannot be compared), and a state_dict holding the head alone loads the
+    head's matrix into the tied pair with ``assign=True`` as without it."""
+    with torch.device("meta"):
+        skeleton = LongNetLM(small_config())
+    source = LongNetLM(small_config())
+    meta_state = {name: t.to("meta") if isinstance(t, torch.Tensor) else t for name, t in source.state_dict().items()}
+    meta_state["head.weight"] = meta_state["embedding.weight"].clone()  # two tensors, as torch.load may give
+    skeleton.load_state_dict(meta_state, assign=True)
+    assert skeleton.head.weight is skeleton.embedding.weight and skeleton.head.weight.is_meta
+    loaded = torch.randn(37, 24)
+    for assign in (False, True):
+        model = LongNetLM(small_config())
+        model.load_state_dict({"head.weight": loaded.clone()}, strict=False, assign=assign)
+        assert model.head.weight is model.embedding.weight and torch.equal(model.head.weight, loaded), assign

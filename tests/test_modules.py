@@ -351,8 +351,35 @@ def test_a_cache_of_another_dtype_than_the_projections_is_named():
     outside = mha.new_cache(1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         inside = mha.new_cache(1)
-        with pytest.raises(ValueError, match=re.escape("projections give torch.autocast's torch.bfloat16: make")):
+        with pytest.raises(ValueError, match=re.escape("give torch.bfloat16 (torch.autocast's dtype): make")):
             mha(x, is_causal=True, cache=outside)
     with pytest.raises(ValueError, match=re.escape("or pass dtype=torch.float32 to new_cache")):
         mha(x, is_causal=True, cache=inside)
     assert outside.position.tolist() == [0] and inside.position.tolist() == [0]
+
+
+def test_autocast_leaves_float64_projections_and_quantized_ones_run_under_it():
+    """Inside ``torch.autocast`` a float64 module's projections stay float64: its cache
+    is float64 (made inside or outside) and gives the whole call's output; dynamically
+    quantized projections take the attention's output in float32."""
+    torch.manual_seed(9)
+    mha = MultiheadDilatedAttention(16, 2, [4, 8], [1, 2], dtype=torch.float64).eval()
+    x = torch.randn(1, 11, 16, dtype=torch.float64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = mha(x, is_causal=True)[0]
+        cache = mha.new_cache(1)
+        assert cache.dtype == torch.float64
+        chunks = torch.cat([mha(part, is_causal=True, cache=cache)[0] for part in x.split([6, 5], dim=1)], 1)
+    assert max_relative_error(chunks, whole) < 1e-12
+    quantize = getattr(getattr(torch.ao, "quantization", None), "quantize_dynamic", None)
+    if quantize is None:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized = quantize(MultiheadDilatedAttention(16, 2, [4, 8], [1, 2]).eval(), {torch.nn.Linear})
+        y = torch.randn(1, 11, 16)
+        with torch.no_grad():
+            plain = quantized(y, is_causal=True)[0]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                mixed = quantized(y, is_causal=True)[0]
+    assert mixed.dtype == torch.float32 and max_relative_error(mixed, plain) < 0.05  # bfloat16 attention

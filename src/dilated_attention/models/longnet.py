@@ -128,8 +128,9 @@ def _check_state_dict(model: LongNetLM, state_dict, prefix: str, *_) -> None:
     if not model.config.tie_embeddings:
         return
     embedding, head = state_dict.get(prefix + "embedding.weight"), state_dict.get(prefix + "head.weight")
-    if embedding is None or head is None or embedding is head:
-        return
+    model._head_loads_alone = embedding is None and head is not None  # see _tie_after_loading
+    if embedding is None or head is None or embedding is head or embedding.is_meta or head.is_meta:
+        return  # (a meta tensor holds no values to compare)
     if embedding.shape != head.shape or not torch.equal(embedding, head.to(embedding.device, embedding.dtype)):
         raise ValueError(
             "cannot load a state_dict whose embedding.weight and head.weight differ (saved from a LongNetLM "
@@ -139,7 +140,15 @@ def _check_state_dict(model: LongNetLM, state_dict, prefix: str, *_) -> None:
 
 
 def _tie_after_loading(model: LongNetLM, _incompatible_keys) -> None:
-    model.tie_weights()  # a module-level function: a pickled model keeps its hooks
+    """Tie again what ``load_state_dict(..., assign=True)`` untied, keeping the matrix
+    loaded: the head's where the state_dict held it alone (as a load into the one
+    shared matrix does), else the embedding's. (A module-level function: a pickled
+    model keeps its hooks.)"""
+    if model.config.tie_embeddings and model.head.weight is not model.embedding.weight:
+        if getattr(model, "_head_loads_alone", False):
+            model.embedding.weight = model.head.weight
+        model.tie_weights()
+    model._head_loads_alone = False
 
 
 class LongNetLM(nn.Module):

@@ -244,11 +244,10 @@ class MultiheadDilatedAttention(nn.Module):
         :class:`dilated_attention.StaticKVCache` taking up to ``max_chunk`` positions a
         call, for ``torch.compile`` and CUDA graphs); see its ``start`` for left
         padding. ``dtype`` defaults to that of the projections' output (the autocast
-        dtype inside ``torch.autocast``, else the parameters'), ``device`` to the
+        dtype inside ``torch.autocast``, but for float64 parameters; else the
+        parameters'; float32 for dynamically quantized projections), ``device`` to the
         parameters'."""
-        parameters_device, parameters_dtype = self._projection_input()
-        if dtype is None:
-            dtype = validation.autocast_dtype(parameters_device.type)
+        parameters_device, _ = self._projection_input()
         attention = self.attention
         kind: Any = StaticKVCache if validation.check_flag(static, "static") else DilatedKVCache
         validation.check_positive_int(max_chunk, "max_chunk")  # checked whether or not a static cache takes it
@@ -263,7 +262,7 @@ class MultiheadDilatedAttention(nn.Module):
             head_offsets=attention.head_offsets,
             softmax_scale=attention.softmax_scale,
             start=start,
-            dtype=dtype or parameters_dtype,
+            dtype=self._projection_output() if dtype is None else dtype,
             device=parameters_device if device is None else device,
             **extra,
         )
@@ -305,14 +304,13 @@ class MultiheadDilatedAttention(nn.Module):
                 f"the cache was built for (heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets, "
                 f"softmax_scale) = {theirs}, this module has {mine}: make it with this module's new_cache"
             )
-        device, dtype = self._projection_input()
-        autocast = validation.autocast_dtype(device.type)
-        if cache.dtype != (autocast or dtype):
-            made = f"torch.autocast's {autocast}" if autocast else f"{dtype}, the parameters' dtype"
+        made = self._projection_output()
+        if cache.dtype != made:
+            whose = " (torch.autocast's dtype)" if made != self._projection_input()[1] else ""
             raise ValueError(
-                f"the cache holds {cache.dtype} keys and values, but this call's projections give {made}: make "
-                f"the cache with new_cache where it is used (inside the same torch.autocast, or outside any), or "
-                f"pass dtype={autocast or dtype} to new_cache"
+                f"the cache holds {cache.dtype} keys and values, but this call's projections give {made}{whose}: "
+                f"make the cache with new_cache where it is used (inside the same torch.autocast, or outside any), "
+                f"or pass dtype={made} to new_cache"
             )
 
     def _projection_input(self) -> tuple[torch.device, torch.dtype]:
@@ -323,6 +321,16 @@ class MultiheadDilatedAttention(nn.Module):
         if callable(weight):  # a dynamically quantized projection takes and gives float32
             return weight().device, torch.float32
         return weight.device, weight.dtype
+
+    def _projection_output(self) -> torch.dtype:
+        """The dtype of the projected ``q, k, v`` (what a cache holds): inside
+        ``torch.autocast`` its dtype, except for float64 parameters, which it leaves as
+        they are, and dynamically quantized projections, which give float32."""
+        device, dtype = self._projection_input()
+        autocast = validation.autocast_dtype(device.type)
+        if autocast is None or dtype == torch.float64 or callable(self.q_proj.weight):
+            return dtype
+        return autocast
 
     def _check_like_parameters(self, *inputs: torch.Tensor) -> None:
         """A ``ValueError`` unless ``query, key, value`` are on the parameters' device and,
@@ -486,6 +494,8 @@ class MultiheadDilatedAttention(nn.Module):
         x = x.flatten(-2)
         if self.norm is not None:
             x = self.norm(x)
+        if callable(self.out_proj.weight) and x.dtype != torch.float32:  # dynamically quantized: float32 only
+            x = x.float()
         out = self.out_proj(x)
         return (out if self.batch_first else out.transpose(0, 1)), None
 

@@ -23,7 +23,7 @@ def temporary_path(path: str) -> str:
         raise FileNotFoundError(f"cannot write {path}: the folder {folder} does not exist")
     tail = f".{uuid.uuid4().hex}{TEMPORARY_SUFFIX}"
     room = name_max(folder) - len(os.fsencode(tail)) - 1
-    while len(os.fsencode(name)) > room:
+    while name and len(os.fsencode(name)) > room:  # (a limit below the tail's leaves no name: the system says)
         name = name[:-1]
     return os.path.join(folder, f".{name}{tail}")
 
