@@ -165,6 +165,8 @@ class LongNetLM(nn.Module):
     recomputed in backward instead of kept (less memory, about a third more compute).
     """
 
+    _head_loads_alone: bool = False  # set by a load's pre-hook for its post-hook
+
     def __init__(self, config: LongNetConfig):
         super().__init__()
         if not isinstance(config, LongNetConfig):
