@@ -771,3 +771,8 @@ def test_a_file_system_with_short_names_gets_a_temporary_without_the_name(tmp_pa
     assert os.path.dirname(temporary) == str(tmp_path) and re.fullmatch(
         r"\.\.[0-9a-f]{32}\.tmp", os.path.basename(temporary)
     )
+    monkeypatch.setattr(os, "pathconf", lambda path, name: -1)  # "no limit": names are still written
+    assert files.name_max(str(tmp_path)) == 255
+    with atomic_write(str(tmp_path / "results.json")) as f:
+        f.write("{}")
+    assert os.listdir(tmp_path) == ["results.json"]

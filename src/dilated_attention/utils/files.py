@@ -30,14 +30,15 @@ def temporary_path(path: str) -> str:
 
 def name_max(folder: str) -> int:
     """The longest file name, in bytes, that the file system of ``folder`` (or of its
-    nearest existing parent) takes; 255 where it does not say."""
+    nearest existing parent) takes; 255 where it does not say (or says no limit, -1)."""
     existing = os.path.abspath(folder)
     while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
     try:
-        return os.pathconf(existing, "PC_NAME_MAX")
+        longest = os.pathconf(existing, "PC_NAME_MAX")
     except (OSError, ValueError):
         return 255
+    return longest if longest > 0 else 255
 
 
 @contextlib.contextmanager
