@@ -525,6 +525,8 @@ def test_grouped_query_keys_are_shared_not_repeated(layout):
     assert max_relative_error(out, ref) <= 1e-5
 
 
+# PyTorch's vectorized jacobian scripts helpers of its own (a deprecation warning of PyTorch's)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_forward_mode_and_batched_gradients_are_refused_by_name():
     """Forward-mode tangents are refused before any work (the CPU flash op has no
     forward derivative: PyTorch's error named an op the caller never called), and a
