@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         parser.error(f"--head-dims must be at most {MAX_HEAD_DIM} (the kernels' limit), got {max(args.head_dims)}")
     if args.out:
         try:
-            check_output_file(args.out, "--out")
+            check_output_file(args.out, "--out", "triton-compile.json")
         except ValueError as exc:
             parser.error(str(exc))
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -776,3 +776,12 @@ def test_a_file_system_with_short_names_gets_a_temporary_without_the_name(tmp_pa
     with atomic_write(str(tmp_path / "results.json")) as f:
         f.write("{}")
     assert os.listdir(tmp_path) == ["results.json"]
+
+
+def test_a_folder_in_the_place_of_a_results_file_is_named_as_in_the_way(tmp_path, capsys):
+    """The results' names are the command's: a folder of that name is in the way (a
+    file suggested inside it would not be written)."""
+    (tmp_path / "smoke.json").mkdir()
+    assert main([*TINY_BENCH, "--out-dir", str(tmp_path), "--name", "smoke"]) == 2
+    assert f"{tmp_path / 'smoke.json'} is a folder: move that folder away" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["smoke.json"]

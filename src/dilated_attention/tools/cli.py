@@ -71,7 +71,7 @@ def _cmd_check(args) -> int:
 
 def _cmd_pattern(args) -> int:
     require("plot", "pattern")
-    check_output_file(args.out, "--out")
+    check_output_file(args.out, "--out", "pattern.png")
     if not args.out.lower().endswith(".png"):
         raise ValueError(f"--out {args.out}: pattern writes a PNG image, name a .png file")
     segs, rates = validation.check_branches(args.segment_lengths, args.dilation_rates)

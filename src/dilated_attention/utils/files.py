@@ -102,15 +102,17 @@ def link_atomically(source: str, path: str) -> None:
             os.remove(temporary)
 
 
-def check_output_file(path: str, option: str) -> None:
+def check_output_file(path: str, option: str, example: str | None = None) -> None:
     """A ``ValueError`` naming ``option`` unless ``path`` can be written as a file: a
     new name or a regular file's (written anew, atomically: a link is replaced, not
     followed), in a folder that exists or can be created and is writable. For checks
-    before any work is done."""
+    before any work is done. ``example``: a file name to suggest inside a folder given
+    as ``path`` (``None``: the name is the program's, so the folder is in its way)."""
     if not path or path.endswith(("/", os.sep)):
         raise ValueError(f"{option} must name a file, got {path!r}")
     if os.path.isdir(path):
-        raise ValueError(f"{option} {path} is a folder: name a file, such as {os.path.join(path, 'out.png')}")
+        fix = f"name a file, such as {os.path.join(path, example)}" if example else "move that folder away"
+        raise ValueError(f"{option} {path} is a folder: {fix}")
     if os.path.lexists(path) and not (os.path.isfile(path) or os.path.islink(path)):
         raise ValueError(f"{option} {path} is not a regular file (a device or a pipe): name a file")
     folder, name = os.path.split(os.path.abspath(path))
