@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -39,6 +39,20 @@ def check_saved_configs(module: nn.Module, state_dict, prefix: str, *_) -> None:
             state = state_dict.get(f"{prefix}{name}{'.' if name else ''}_extra_state")
             if state is not None:
                 layer.set_extra_state(state)  # a check only: it raises or does nothing
+
+
+class _Projections(NamedTuple):
+    """A :class:`MultiheadDilatedAttention`'s projections in this call: their
+    ``device``, the dtype they ``takes`` (their weight's; float32 for a dynamically
+    quantized one, ``torch.ao.quantization.quantize_dynamic``), the dtype they
+    ``gives`` (what a cache holds: inside ``torch.autocast`` its dtype, but for float64
+    parameters, which it leaves as they are, and quantized ones, which give float32)
+    and whether ``autocast`` is on for the device."""
+
+    device: torch.device
+    takes: torch.dtype
+    gives: torch.dtype
+    autocast: bool
 
 
 class DilatedAttention(nn.Module):
@@ -247,7 +261,7 @@ class MultiheadDilatedAttention(nn.Module):
         dtype inside ``torch.autocast``, but for float64 parameters; else the
         parameters'; float32 for dynamically quantized projections), ``device`` to the
         parameters'."""
-        parameters_device, _ = self._projection_input()
+        projections = self._projections()
         attention = self.attention
         kind: Any = StaticKVCache if validation.check_flag(static, "static") else DilatedKVCache
         validation.check_positive_int(max_chunk, "max_chunk")  # checked whether or not a static cache takes it
@@ -262,12 +276,14 @@ class MultiheadDilatedAttention(nn.Module):
             head_offsets=attention.head_offsets,
             softmax_scale=attention.softmax_scale,
             start=start,
-            dtype=self._projection_output() if dtype is None else dtype,
-            device=parameters_device if device is None else device,
+            dtype=projections.gives if dtype is None else dtype,
+            device=projections.device if device is None else device,
             **extra,
         )
 
-    def _check_cache(self, cache, batch: int, is_causal, key_padding_mask, process_group) -> None:
+    def _check_cache(self, cache, batch: int, is_causal, key_padding_mask, process_group, gives) -> None:
+        """A ``ValueError`` unless ``cache`` is this module's and takes this call
+        (``gives``: the projections' output dtype, :meth:`_projections`)."""
         if not isinstance(cache, (DilatedKVCache, StaticKVCache)):
             raise TypeError(
                 f"cache must be a DilatedKVCache or StaticKVCache (see new_cache), got {validation.type_name(cache)}"
@@ -304,41 +320,32 @@ class MultiheadDilatedAttention(nn.Module):
                 f"the cache was built for (heads, head_dim, segment_lengths, dilation_rates, mode, head_offsets, "
                 f"softmax_scale) = {theirs}, this module has {mine}: make it with this module's new_cache"
             )
-        made = self._projection_output()
-        if cache.dtype != made:
-            whose = " (torch.autocast's dtype)" if made != self._projection_input()[1] else ""
+        if cache.dtype != gives:
+            whose = " (torch.autocast's dtype)" if gives != self._projections().takes else ""
             raise ValueError(
-                f"the cache holds {cache.dtype} keys and values, but this call's projections give {made}{whose}: "
+                f"the cache holds {cache.dtype} keys and values, but this call's projections give {gives}{whose}: "
                 f"make the cache with new_cache where it is used (inside the same torch.autocast, or outside any), "
-                f"or pass dtype={made} to new_cache"
+                f"or pass dtype={gives} to new_cache"
             )
 
-    def _projection_input(self) -> tuple[torch.device, torch.dtype]:
-        """The device and dtype the projections take: their weight's, or float32 for a
-        dynamically quantized one (``torch.ao.quantization.quantize_dynamic``), whose
-        ``weight`` is a method returning int8 values."""
+    def _projections(self) -> _Projections:
+        """Where the projections run and in which dtypes, this call (see :class:`_Projections`)."""
         weight = self.q_proj.weight
-        if callable(weight):  # a dynamically quantized projection takes and gives float32
-            return weight().device, torch.float32
-        return weight.device, weight.dtype
+        if callable(weight):  # quantize_dynamic's projection: weight() gives int8 values
+            device = weight().device
+            return _Projections(
+                device, torch.float32, torch.float32, validation.autocast_dtype(device.type) is not None
+            )
+        autocast = validation.autocast_dtype(weight.device.type)
+        gives = weight.dtype if autocast is None or weight.dtype == torch.float64 else autocast
+        return _Projections(weight.device, weight.dtype, gives, autocast is not None)
 
-    def _projection_output(self) -> torch.dtype:
-        """The dtype of the projected ``q, k, v`` (what a cache holds): inside
-        ``torch.autocast`` its dtype, except for float64 parameters, which it leaves as
-        they are, and dynamically quantized projections, which give float32."""
-        device, dtype = self._projection_input()
-        autocast = validation.autocast_dtype(device.type)
-        if autocast is None or dtype == torch.float64 or callable(self.q_proj.weight):
-            return dtype
-        return autocast
-
-    def _check_like_parameters(self, *inputs: torch.Tensor) -> None:
+    def _check_like_parameters(self, projections: _Projections, *inputs: torch.Tensor) -> None:
         """A ``ValueError`` unless ``query, key, value`` are on the parameters' device and,
         outside ``torch.autocast``, of their dtype (the projections' own error names neither)."""
-        device, dtype = self._projection_input()
-        autocast = validation.autocast_dtype(device.type) is not None
+        device, dtype = projections.device, projections.takes
         for name, t in zip(("query", "key", "value"), inputs, strict=True):
-            if t.device != device or (not autocast and t.dtype != dtype):
+            if t.device != device or (not projections.autocast and t.dtype != dtype):
                 raise ValueError(
                     f"{name} must be {dtype} on {device} like the module's parameters, got {t.dtype} "
                     f"on {t.device}: move the input (or the module, with .to()), or run under torch.autocast"
@@ -388,7 +395,8 @@ class MultiheadDilatedAttention(nn.Module):
                         f"{name} must have the shape of query {tuple(query.shape)}, got {tuple(t.shape)}: "
                         "MultiheadDilatedAttention is self-attention over one sequence"
                     )
-            self._check_like_parameters(query, key, value)
+            projections = self._projections()
+            self._check_like_parameters(projections, query, key, value)
             if not self.batch_first:
                 query, key, value = (t.transpose(0, 1) for t in (query, key, value))
             if attn_mask is not None and process_group is not None:
@@ -411,7 +419,7 @@ class MultiheadDilatedAttention(nn.Module):
                     f"{self.batch_first}): is that its layout?"
                 )
             if cache is not None:
-                self._check_cache(cache, query.shape[0], is_causal, key_padding_mask, process_group)
+                self._check_cache(cache, query.shape[0], is_causal, key_padding_mask, process_group, projections.gives)
             if positions is not None and process_group is not None:  # else rotary checks them
                 check_rotary_positions(positions, query.shape[0], query.shape[1])
         return query, key, value, key_padding_mask, is_causal
@@ -494,7 +502,7 @@ class MultiheadDilatedAttention(nn.Module):
         x = x.flatten(-2)
         if self.norm is not None:
             x = self.norm(x)
-        if callable(self.out_proj.weight) and x.dtype != torch.float32:  # dynamically quantized: float32 only
+        if x.dtype != torch.float32 and callable(self.out_proj.weight):  # dynamically quantized: float32 only
             x = x.float()
         out = self.out_proj(x)
         return (out if self.batch_first else out.transpose(0, 1)), None
