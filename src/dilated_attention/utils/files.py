@@ -31,11 +31,8 @@ def temporary_path(path: str) -> str:
 def name_max(folder: str) -> int:
     """The longest file name, in bytes, that the file system of ``folder`` (or of its
     nearest existing parent) takes; 255 where it does not say (or says no limit, -1)."""
-    existing = os.path.abspath(folder)
-    while not os.path.isdir(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
     try:
-        longest = os.pathconf(existing, "PC_NAME_MAX")
+        longest = os.pathconf(_nearest_existing(folder), "PC_NAME_MAX")
     except (OSError, ValueError):
         return 255
     return longest if longest > 0 else 255
@@ -133,12 +130,19 @@ def check_output_folder(path: str, option: str) -> None:
     _check_writable(path, f"{option} {path}")
 
 
+def _nearest_existing(path: str) -> str:
+    """``path``, or the nearest of its parents that exists (through links, as the system
+    resolves ``link/..``)."""
+    existing = os.path.realpath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    return existing
+
+
 def _check_writable(folder: str, what: str) -> None:
     """The nearest existing one of ``folder`` and its parents must be a writable folder
     (then ``folder`` can be created and written into); else a ``ValueError``."""
-    existing = os.path.realpath(folder)  # through links, as the system resolves "link/.."
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
+    existing = _nearest_existing(folder)
     if not os.path.isdir(existing):
         raise ValueError(f"{what}: {existing} is not a folder: pick another path")
     if not os.access(existing, os.W_OK | os.X_OK):
