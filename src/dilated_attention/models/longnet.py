@@ -145,7 +145,7 @@ def _tie_after_loading(model: LongNetLM, _incompatible_keys) -> None:
     shared matrix does), else the embedding's. (A module-level function: a pickled
     model keeps its hooks.)"""
     if model.config.tie_embeddings and model.head.weight is not model.embedding.weight:
-        if getattr(model, "_head_loads_alone", False):
+        if model._head_loads_alone:
             model.embedding.weight = model.head.weight
         model.tie_weights()
     model._head_loads_alone = False
